@@ -1,0 +1,68 @@
+"""The `llmobs-agent` command line: one subcommand per module in llmobs.commands.
+
+Each command module exposes `configure(parser)` and `run(args) -> int`. Modules are imported only
+when their command runs, so `llmobs-agent doctor` never pays for torch or bcc it does not use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from llmobs.errors import ExitCode, LlmobsError
+
+# name -> (module, one-line help). Order is the order `--help` shows.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("llmobs.commands.doctor", "show what this host can do (privileges, eBPF, GPU)"),
+    "inspect": ("llmobs.commands.inspect", "print the header, counters and last steps of a process's map"),
+    "attach": ("llmobs.commands.attach", "attach eBPF probes to a running PyTorch process"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmobs-agent",
+        description="Token-level observability of PyTorch LLM workloads (eBPF + CUPTI).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        command_parser = sub.add_parser(name, help=help_text, description=help_text)
+        command_parser.set_defaults(_module=module_name)
+        try:
+            importlib.import_module(module_name).configure(command_parser)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            command_parser.set_defaults(_missing=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return ExitCode.USAGE
+    if getattr(args, "_missing", False):
+        print(f"error: `{args.command}` is not built yet in this version", file=sys.stderr)
+        return ExitCode.USAGE
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except LlmobsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        if exc.hint:
+            print(f"hint: {exc.hint}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return ExitCode.OK
+    except Exception:  # a bug: show it, but with our exit code
+        traceback.print_exc()
+        return ExitCode.FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

