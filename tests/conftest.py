@@ -26,11 +26,19 @@ def _tier_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test with its tier from its folder, and skip tiers this host cannot run."""
     is_root = os.geteuid() == 0
+    has_gpu = _has_nvidia_gpu()
     for item in items:
         tier = _tier_of(item)
         item.add_marker(getattr(pytest.mark, tier))
         if tier == "bpf" and not is_root:
             item.add_marker(pytest.mark.skip(reason="bpf tier needs root (run the tests with sudo)"))
+        if tier == "gpu" and not has_gpu:
+            item.add_marker(pytest.mark.skip(reason="no NVIDIA GPU here; scripts/gpu_check.sh runs this tier on one"))
+
+
+def _has_nvidia_gpu() -> bool:
+    """A GPU node has the driver's control device; the gpu tier needs nothing less."""
+    return os.path.exists("/dev/nvidiactl") and os.path.exists("/dev/nvidia0")
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
