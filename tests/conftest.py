@@ -33,7 +33,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if tier == "bpf" and not is_root:
             item.add_marker(pytest.mark.skip(reason="bpf tier needs root (run the tests with sudo)"))
         if tier == "gpu" and not has_gpu:
-            item.add_marker(pytest.mark.skip(reason="no NVIDIA GPU here; scripts/gpu_check.sh runs this tier on one"))
+            reason = "no NVIDIA GPU here; scripts/gpu_check.sh runs this tier on one"
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def _has_nvidia_gpu() -> bool:
