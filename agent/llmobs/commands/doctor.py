@@ -1,0 +1,65 @@
+"""`llmobs-agent doctor [--json]`: a table of what this host can do, one row per capability.
+
+The checks live in llmobs.hostcheck; this module only renders them. Exit status: 0 when the agent
+can run at least its CPU probe profile here, ExitCode.HOST_UNSUPPORTED otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+
+from llmobs.errors import ExitCode
+from llmobs.hostcheck import CPU_PROFILE_CHECKS, Row, Status, cpu_profile_ok, run_checks
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json", action="store_true", help="print the rows as a JSON list instead of a table"
+    )
+
+
+def render_table(rows: list[Row]) -> str:
+    """The rows as a fixed-width table; rows that are not OK get an indented `-> what to do` line."""
+    title_width = max([len(row.title) + 2 for row in rows] + [len("CHECK")])
+    status_width = max(len(s) for s in Status)
+    lines = [
+        f"llmobs-agent doctor: kernel {platform.release()}, python {platform.python_version()}, "
+        f"{'root' if os.geteuid() == 0 else f'uid {os.geteuid()}'}",
+        "",
+        f"{'CHECK':<{title_width}}  {'STATUS':<{status_width}}  DETAIL",
+    ]
+    for row in rows:
+        marker = "*" if row.required else " "
+        lines.append(f"{row.title + ' ' + marker:<{title_width}}  {row.status:<{status_width}}  {row.detail}")
+        if row.status is not Status.OK and row.hint:
+            lines.append(f"{'':<{title_width}}  {'':<{status_width}}  -> {row.hint}")
+    lines.append("")
+    lines.append(f"* needed by the CPU probe profile ({', '.join(CPU_PROFILE_CHECKS)})")
+    lines.append(verdict(rows))
+    return "\n".join(lines)
+
+
+def verdict(rows: list[Row]) -> str:
+    if cpu_profile_ok(rows):
+        gpu_missing = [row.title for row in rows if row.check in GPU_CHECKS and row.status is Status.MISSING]
+        gpu = f"; GPU features off here ({', '.join(gpu_missing)} missing)" if gpu_missing else ""
+        return f"verdict: the CPU probe profile can run on this host{gpu}"
+    missing = [row.title for row in rows if row.required and row.status is Status.MISSING]
+    return f"verdict: this host cannot run the agent's CPU probe profile (missing: {', '.join(missing)})"
+
+
+GPU_CHECKS = ("libcuda", "cuda_driver", "nvml", "cupti")
+
+
+def run(args: argparse.Namespace) -> int:
+    rows = run_checks()
+    if args.json:
+        print(json.dumps([row.to_dict() for row in rows], indent=2))
+    else:
+        print(render_table(rows))
+    sys.stdout.flush()
+    return ExitCode.OK if cpu_profile_ok(rows) else ExitCode.HOST_UNSUPPORTED
