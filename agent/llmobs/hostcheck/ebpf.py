@@ -115,22 +115,36 @@ def _prerequisites(ctx: Context) -> Finding | None:
     return None
 
 
+def _compiles_without_loading(ctx: Context, blocked: Finding) -> Finding:
+    """Unprivileged: say whether bcc and clang work at all (a mapless program compiles without
+    touching the kernel); the row stays MISSING, since nothing can be loaded."""
+    reason = blocked.detail.removeprefix("not tried: ")
+    try:
+        bcc = _import_bcc()
+        start = time.monotonic()
+        bcc.BPF(text=MAPLESS_PROGRAM).cleanup()
+    except ImportError as exc:
+        return Finding(Status.MISSING, f"cannot import bcc ({exc}); and {reason}", blocked.hint)
+    except Exception as exc:  # bcc raises bare Exception when the compile fails
+        return Finding(Status.MISSING, f"bcc cannot compile ({exc}); and {reason}", blocked.hint)
+    version = getattr(bcc, "__version__", "?")
+    elapsed = time.monotonic() - start
+    return Finding(
+        Status.MISSING,
+        f"bcc {version} compiles ({elapsed:.2f} s) but the kernel will not load programs: {reason}",
+        blocked.hint,
+    )
+
+
 def check_bcc(ctx: Context) -> Finding:
+    blocked = _prerequisites(ctx)
+    if blocked is not None:
+        return _compiles_without_loading(ctx, blocked) if ctx.live else blocked
     try:
         bcc = _import_bcc()
     except ImportError as exc:
         return Finding(Status.MISSING, f"cannot import bcc ({exc})", INSTALL_BCC)
     version = getattr(bcc, "__version__", "?")
-    blocked = _prerequisites(ctx)
-    if blocked is not None:
-        if ctx.live:
-            start = time.monotonic()
-            bcc.BPF(text=MAPLESS_PROGRAM).cleanup()
-            blocked.detail = (
-                f"bcc {version} compiles ({time.monotonic() - start:.2f} s) but the kernel will not load "
-                f"programs: {blocked.detail.removeprefix('not tried: ')}"
-            )
-        return blocked
     start = time.monotonic()
     try:
         program = bcc.BPF(text=COUNTER_PROGRAM, cflags=[f"-DLLMOBS_TGID={os.getpid()}"])
