@@ -1,0 +1,273 @@
+"""One attach session: checks the target, resolves and attaches the probes, drains the ring, keeps
+the exact totals, watches the target, and detaches everything it attached.
+
+The caller drives it: `start()`, then `poll()` every ~20 ms (returns the decoded sample batch), then
+`close()` (idempotent) which detaches first and reads the final totals after.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmobs.bpf import aggregates
+from llmobs.bpf.libraries import ResolvedProbe, Skipped, mapped_libraries, resolve
+from llmobs.bpf.profiles import PROBE_IDS, PROBES, Probe, probes_of
+from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
+from llmobs.bpf.records import COUNTERS
+from llmobs.bpf.ringbuf import RingConsumer
+from llmobs.errors import AccessDenied, NothingAttached, NotTracked
+from llmobs.procfs import MapEntry, ProcFS
+
+TRACEFS = "/sys/kernel/tracing"
+_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
+REFRESH_S = 1.0  # how often the map address, watched fds and aggregate harvest are refreshed
+
+
+def require_privileges(procfs: ProcFS) -> None:
+    """Root, or CAP_BPF + CAP_PERFMON (or CAP_SYS_ADMIN), else AccessDenied."""
+    if os.geteuid() == 0:
+        return
+    caps = procfs.effective_caps("self")
+    if caps & (1 << _CAP_SYS_ADMIN) or (caps & (1 << _CAP_BPF) and caps & (1 << _CAP_PERFMON)):
+        return
+    raise AccessDenied("attaching eBPF probes needs root (or CAP_BPF and CAP_PERFMON)")
+
+
+def find_context_cell(pid: int, entries: list[MapEntry], offset: int) -> int:
+    """Address of the current-context cell in the target (0 when the process publishes no map).
+
+    The writer maps /dev/shm/llmobs.<pid> whole from offset 0; inside a pid namespace <pid> is the
+    process's own pid, so a single llmobs map under another number is accepted too.
+    """
+    own = [e for e in entries if e.path == f"/dev/shm/llmobs.{pid}" and e.offset == 0]
+    if not own:
+        own = [e for e in entries if re.fullmatch(r"/dev/shm/llmobs\.\d+", e.path) and e.offset == 0]
+        if len(own) != 1:
+            return 0
+    entry = own[0]
+    return entry.start + offset if entry.end - entry.start > offset else 0
+
+
+def tracepoint_available(tracepoint: str) -> str | None:
+    """None when the tracepoint exists, else why not."""
+    category, name = tracepoint.split(":")
+    if not os.path.isdir(os.path.join(TRACEFS, "events")):
+        return f"tracefs is not mounted at {TRACEFS} (mount -t tracefs nodev {TRACEFS})"
+    if not os.path.isdir(os.path.join(TRACEFS, "events", category, name)):
+        return f"this kernel has no tracepoint {tracepoint}"
+    return None
+
+
+@dataclass
+class Options:
+    profiles: tuple[str, ...] = ("cpu", "host")
+    sample_n: int = 1
+    sample_mode: str = "trace"
+    ioctl_paths: str = "/dev/nvidia*"  # glob of the device files whose ioctls the host profile times
+    require_pytorch: bool = True
+
+
+@dataclass
+class Stats:
+    started_at: float = field(default_factory=time.monotonic)
+    attached_after_s: float | None = None
+    first_event_after_s: float | None = None
+    sampled: int = 0
+    user_drops: int = 0
+    polls: int = 0
+    decode_seconds: float = 0.0
+
+
+class AttachSession:
+    def __init__(self, pid: int, options: Options, program: ProbeProgram | None = None, procfs: ProcFS | None = None):
+        self.pid = pid
+        self.options = options
+        self.procfs = procfs or ProcFS()
+        self.program = program
+        self._owns_program = program is None
+        self.attached = Attached()
+        self.resolved: list[ResolvedProbe] = []
+        self.attached_probes: list[Probe] = []
+        self.skipped: list[Skipped] = []
+        self.stats = Stats()
+        self.cell_address = 0
+        self.totals = aggregates.Totals()
+        self.target_exited = False
+        self._start_ticks = 0
+        self._ring: RingConsumer | None = None
+        self._next_refresh = 0.0
+        self._ncpus = 1
+        self._closed = False
+        self._final: dict | None = None
+
+    # ---- start ------------------------------------------------------------------------------------------
+    def check_target(self) -> list[MapEntry]:
+        self.procfs.require(self.pid)
+        require_privileges(self.procfs)
+        entries = self.procfs.maps(self.pid)
+        if self.options.require_pytorch and not any(
+            re.match(r"libc10(-[0-9a-f]+)?\.so", os.path.basename(e.path)) for e in entries
+        ):
+            comm = self.procfs.comm(self.pid)
+            raise NotTracked(f"pid {self.pid} ({comm}) is not a PyTorch process: no libc10 in /proc/{self.pid}/maps")
+        self._start_ticks = self.procfs.start_time_ticks(self.pid)
+        return entries
+
+    def plan(self, entries: list[MapEntry]) -> list[Probe]:
+        """Resolves every probe of the profiles; fills self.resolved / self.skipped. Returns the loadable ones."""
+        paths = mapped_libraries(entries)
+        loadable = []
+        for probe in probes_of(self.options.profiles):
+            if probe.hook == "uprobe":
+                result = resolve(probe, self.pid, paths, self.procfs)
+                if isinstance(result, Skipped):
+                    self.skipped.append(result)
+                    continue
+                self.resolved.append(result)
+            else:
+                missing = next(filter(None, (tracepoint_available(tp) for tp, _ in probe.tracepoints)), None)
+                if missing:
+                    self.skipped.append(Skipped(probe, missing))
+                    continue
+            loadable.append(probe)
+        return loadable
+
+    def start(self) -> None:
+        entries = self.check_target()
+        loadable = self.plan(entries)
+        if not loadable:
+            raise NothingAttached(self._nothing_message())
+        if self.program is None:
+            self.program = ProbeProgram(loadable)
+        program = self.program
+        available = {probe.name for probe in program.probes}
+        program.reset_maps()
+        program.set_sampling(self.options.sample_n, self.options.sample_mode)
+        self._ring = RingConsumer(program.map_fd("llmobs_events"), program.ring_bytes)
+        self._ring.drain()  # leftovers of a previous session of a reused program
+        self.cell_address = find_context_cell(self.pid, entries, ctx_offset())
+        program.set_target(self.pid, self.cell_address)
+        self._ncpus = aggregates.possible_cpus()
+        try:
+            by_name = {r.probe.name: r for r in self.resolved}
+            for probe in loadable:
+                if probe.name not in available:
+                    self.skipped.append(Skipped(probe, "not compiled into the reused program"))
+                    continue
+                try:
+                    if probe.hook == "uprobe":
+                        program.attach_uprobe(by_name[probe.name], self.pid, self.attached)
+                    else:
+                        program.attach_tracepoints(probe, self.attached)
+                    self.attached_probes.append(probe)
+                except Exception as exc:  # one probe failing must not stop the others
+                    self.skipped.append(Skipped(probe, f"attach failed: {exc}"))
+            if not self.attached_probes:
+                raise NothingAttached(self._nothing_message())
+            self._refresh(force=True)
+        except BaseException:
+            self.close()
+            raise
+        self.stats.attached_after_s = time.monotonic() - self.stats.started_at
+
+    def _nothing_message(self) -> str:
+        reasons = "; ".join(f"{s.probe.name}: {s.reason}" for s in self.skipped[:4])
+        return f"no probe of profile(s) {','.join(self.options.profiles)} attached to pid {self.pid} ({reasons})"
+
+    # ---- running ----------------------------------------------------------------------------------------
+    def target_alive(self) -> bool:
+        try:
+            self.procfs.require(self.pid)
+            return self.procfs.start_time_ticks(self.pid) == self._start_ticks
+        except Exception:
+            return False
+
+    def poll(self) -> np.ndarray:
+        """Drains the ring (one numpy batch), and refreshes slow-moving state once a second."""
+        assert self._ring is not None
+        began = time.perf_counter()
+        events = self._ring.drain()
+        self.stats.decode_seconds += time.perf_counter() - began
+        self.stats.polls += 1
+        if len(events):
+            self.stats.sampled += len(events)
+            if self.stats.first_event_after_s is None:
+                self.stats.first_event_after_s = time.monotonic() - self.stats.started_at
+        self._refresh()
+        return events
+
+    def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now < self._next_refresh:
+            return
+        self._next_refresh = now + REFRESH_S
+        try:
+            entries = self.procfs.maps(self.pid)
+            fds = self.procfs.fds(self.pid)
+        except Exception:
+            return  # the target is going away; the caller notices through target_alive()
+        address = find_context_cell(self.pid, entries, ctx_offset())
+        if address != self.cell_address:  # the process started (or re-created) its map after we attached
+            self.cell_address = address
+            self.program.set_target(self.pid, address)
+        if any(p.name == "ioctl" for p in self.attached_probes):
+            pattern = self.options.ioctl_paths
+            self.program.set_watched_fds(self.pid, {fd for fd, path in fds.items() if fnmatch.fnmatch(path, pattern)})
+        self._harvest()
+
+    def _harvest(self) -> None:
+        """Moves the totals of finished steps out of the bounded kernel map."""
+        keys, values = self._read_aggregates()
+        done = aggregates.finished(keys)
+        if done.any():
+            self.totals.add(keys[done], values[done])
+            aggregates.delete_keys(self.program.lib, self.program.map_fd("llmobs_aggs"), keys[done])
+
+    def _read_aggregates(self) -> tuple[np.ndarray, np.ndarray]:
+        return aggregates.read_percpu_hash(
+            self.program.lib, self.program.map_fd("llmobs_aggs"), self.program.agg_entries, self._ncpus
+        )
+
+    def counters(self) -> dict[str, int]:
+        raw = self.program.counters() if self.program else {}
+        named = {name: raw.get(i, 0) for i, name in enumerate(COUNTERS)}
+        named["user_drops"] = self.stats.user_drops
+        return named
+
+    def live_totals(self) -> dict[tuple[int, int, int], list[int]]:
+        keys, values = self._read_aggregates()
+        return self.totals.merged(keys, values)
+
+    # ---- stop -------------------------------------------------------------------------------------------
+    def close(self) -> tuple[np.ndarray, dict]:
+        """Detaches everything, drains the rest, reads the final totals. Returns (last events, final)."""
+        if self._closed:
+            return np.empty(0), self._final or {}
+        self._closed = True
+        problems = self.program.detach(self.attached) if self.program else []
+        events = self._ring.drain() if self._ring else np.empty(0)
+        self.stats.sampled += len(events)
+        final = {"problems": problems, "totals": {}, "counters": {}}
+        if self.program is not None and self._ring is not None:
+            final["totals"] = self.live_totals()
+            final["counters"] = self.counters()
+            self.program.remove_target(self.pid)
+        if self._ring:
+            self._ring.close()
+        if self._owns_program and self.program is not None:
+            self.program.close()
+        self._final = final
+        return events, final
+
+
+def probe_names() -> list[str]:
+    return [probe.name for probe in PROBES]
+
+
+__all__ = ["AttachSession", "Options", "PROBE_IDS", "find_context_cell", "require_privileges"]

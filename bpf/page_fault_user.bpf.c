@@ -1,0 +1,17 @@
+/* host profile: user-space page faults of the target, from exceptions:page_fault_user.
+ * value = 0 (the faulting address is not a size). */
+
+/* the fields of exceptions:page_fault_user (tracefs format) */
+struct llmobs_page_fault_args {
+    u64 common;
+    unsigned long address;
+    unsigned long ip;
+    unsigned long error_code;
+};
+
+/* tracepoint exceptions:page_fault_user: count and sample a fault of a target thread. */
+int tracepoint_page_fault_user(struct llmobs_page_fault_args *args)
+{
+    llmobs_point(LLMOBS_PROBE_page_fault_user, LLMOBS_KIND_HOST, 0);
+    return 0;
+}
