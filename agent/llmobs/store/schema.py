@@ -1,0 +1,243 @@
+"""The store's schema as an ordered list of migrations, applied at open inside one transaction each.
+
+Rule (also in docs/store-schema.md): a migration is never edited once released; a change is a new
+migration appended to MIGRATIONS with the next version number. `schema_migrations` records which ran.
+A store written by an older agent is upgraded in order when a newer agent opens it; a store newer than
+this agent is refused (it could hold columns this code would silently drop).
+
+Column types follow what the ingest path hands DuckDB so that appends need no casts (measured: casts and
+strings dominate the append cost): int32 pids, int64 ns, uint64 trace-id words in the event tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+
+from llmobs.errors import StoreError
+
+# Columns of the three eBPF event tables, in the order of records.md. The 128-bit trace id is kept as two
+# uint64 words (the ring's own form): a 32-char string per event halves the append rate, and the
+# `trace_hex(hi, lo)` macro gives the agreed hex form when a query wants it.
+_EVENT_COLUMNS = """
+    pid INTEGER NOT NULL,
+    tid INTEGER,
+    cpu SMALLINT,
+    ts_ns BIGINT NOT NULL,
+    probe VARCHAR NOT NULL,
+    step_seq BIGINT NOT NULL DEFAULT 0,
+    trace_hi UBIGINT NOT NULL DEFAULT 0,
+    trace_lo UBIGINT NOT NULL DEFAULT 0,
+    value BIGINT NOT NULL DEFAULT 0,
+    duration_ns BIGINT NOT NULL DEFAULT 0,
+    sample_ratio INTEGER NOT NULL DEFAULT 1"""
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(
+        1,
+        "core tables: processes, requests, token_steps, events, probe_aggregates, step_rollups, anomalies",
+        (
+            """CREATE TABLE processes (
+                pid INTEGER NOT NULL,
+                start_ns BIGINT NOT NULL DEFAULT 0,
+                exe VARCHAR,
+                cmdline VARCHAR,
+                map_path VARCHAR,
+                abi_version INTEGER,
+                first_seen_ns BIGINT,
+                last_seen_ns BIGINT,
+                exit_ns BIGINT,
+                PRIMARY KEY (pid, start_ns))""",
+            """CREATE TABLE requests (
+                pid INTEGER NOT NULL,
+                trace_id VARCHAR NOT NULL,
+                tenant VARCHAR,
+                session VARCHAR,
+                model_id VARCHAR,
+                t_start_ns BIGINT,
+                t_end_ns BIGINT,
+                tokens BIGINT,
+                mean_loss DOUBLE,
+                PRIMARY KEY (pid, trace_id))""",
+            """CREATE TABLE token_steps (
+                pid INTEGER NOT NULL,
+                step_seq BIGINT NOT NULL,
+                trace_id VARCHAR NOT NULL,
+                step INTEGER,
+                position INTEGER,
+                token_id INTEGER,
+                target_id INTEGER,
+                loss FLOAT,
+                entropy FLOAT,
+                target_prob FLOAT,
+                target_rank INTEGER,
+                top1_prob FLOAT,
+                latency_ns BIGINT,
+                t_start_ns BIGINT NOT NULL,
+                t_end_ns BIGINT NOT NULL,
+                batch_row INTEGER,
+                tenant VARCHAR,
+                session VARCHAR,
+                model_id VARCHAR,
+                kv_len INTEGER)""",
+            f"CREATE TABLE mem_events ({_EVENT_COLUMNS})",
+            f"""CREATE TABLE host_events ({_EVENT_COLUMNS},
+                kind VARCHAR NOT NULL DEFAULT 'host')""",
+            f"""CREATE TABLE gpu_ops ({_EVENT_COLUMNS},
+                source VARCHAR NOT NULL DEFAULT 'ebpf',
+                name VARCHAR,
+                correlation_id BIGINT,
+                external_id BIGINT,
+                device_id INTEGER,
+                stream_id BIGINT,
+                gpu_start_ns BIGINT,
+                gpu_end_ns BIGINT)""",
+            """CREATE TABLE probe_aggregates (
+                pid INTEGER NOT NULL,
+                step_seq BIGINT NOT NULL,
+                probe VARCHAR NOT NULL,
+                count BIGINT NOT NULL,
+                sum_value BIGINT NOT NULL DEFAULT 0,
+                sum_duration_ns BIGINT NOT NULL DEFAULT 0,
+                ts_ns BIGINT)""",
+            """CREATE TABLE step_rollups (
+                pid INTEGER NOT NULL,
+                step_seq BIGINT NOT NULL,
+                tokens INTEGER NOT NULL,
+                t_start_ns BIGINT NOT NULL,
+                t_end_ns BIGINT NOT NULL,
+                decode_latency_ns BIGINT,
+                launches BIGINT NOT NULL,
+                allocations BIGINT NOT NULL,
+                alloc_bytes BIGINT NOT NULL,
+                frees BIGINT NOT NULL,
+                memcpy_bytes BIGINT NOT NULL,
+                off_cpu_ns BIGINT NOT NULL,
+                page_faults BIGINT NOT NULL,
+                compute_calls BIGINT NOT NULL,
+                gpu_ns BIGINT,
+                tagged_events BIGINT NOT NULL,
+                windowed_events BIGINT NOT NULL,
+                counts_exact BOOLEAN NOT NULL,
+                PRIMARY KEY (pid, step_seq))""",
+            """CREATE TABLE anomalies (
+                ts_ns BIGINT NOT NULL,
+                pid INTEGER,
+                step_seq BIGINT,
+                trace_id VARCHAR,
+                kind VARCHAR NOT NULL,
+                score DOUBLE,
+                detail VARCHAR)""",
+            # The agreed hex form of a trace id ('' when untracked) from the two stored words.
+            """CREATE MACRO trace_hex(hi, lo) AS
+                CASE WHEN hi = 0 AND lo = 0 THEN '' ELSE printf('%016x%016x', hi, lo) END""",
+            # Which class of work a probe counts as, for rollups; by name because exact aggregates
+            # carry no kind. Launch before alloc: 'cuLaunchKernel' must not match '%alloc%'.
+            """CREATE MACRO probe_class(probe) AS CASE
+                WHEN probe ILIKE '%launch%' THEN 'launch'
+                WHEN probe ILIKE '%free%' THEN 'free'
+                WHEN probe ILIKE '%alloc%' THEN 'alloc'
+                WHEN probe ILIKE '%memcpy%' THEN 'memcpy'
+                WHEN probe ILIKE '%sched_switch%' OR probe ILIKE '%off_cpu%' OR probe ILIKE '%offcpu%'
+                    THEN 'offcpu'
+                WHEN probe ILIKE '%fault%' THEN 'fault'
+                WHEN probe ILIKE '%gemm%' OR probe ILIKE '%linear%' OR probe ILIKE '%::mm%' THEN 'compute'
+                ELSE 'other' END""",
+        ),
+    ),
+    Migration(
+        2,
+        "clock_fits: every clock conversion the agent used, with its measured error",
+        (
+            """CREATE TABLE clock_fits (
+                ts_ns BIGINT NOT NULL,
+                pid INTEGER NOT NULL DEFAULT 0,
+                clock VARCHAR NOT NULL,
+                ref_mono_ns BIGINT NOT NULL,
+                offset_ns BIGINT NOT NULL,
+                drift_ppm DOUBLE NOT NULL DEFAULT 0,
+                error_ns DOUBLE NOT NULL,
+                residual_ns DOUBLE NOT NULL,
+                samples INTEGER NOT NULL)""",
+        ),
+    ),
+)
+
+LATEST_VERSION = MIGRATIONS[-1].version
+
+# Tables whose rows age out, and the column that says how old a row is.
+TIME_COLUMN: dict[str, str] = {
+    "token_steps": "t_start_ns",
+    "mem_events": "ts_ns",
+    "host_events": "ts_ns",
+    "gpu_ops": "ts_ns",
+    "probe_aggregates": "ts_ns",
+    "step_rollups": "t_start_ns",
+    "requests": "t_end_ns",
+    "anomalies": "ts_ns",
+    "clock_fits": "ts_ns",
+    "processes": "last_seen_ns",
+}
+
+EVENT_TABLES = ("mem_events", "gpu_ops", "host_events")
+# Where an eBPF event of each `kind` is stored.
+TABLE_FOR_KIND = {"mem": "mem_events", "gpu": "gpu_ops", "host": "host_events", "compute": "host_events"}
+
+
+def current_version(conn: duckdb.DuckDBPyConnection) -> int:
+    exists = conn.execute(
+        "SELECT count(*) FROM information_schema.tables WHERE table_name = 'schema_migrations'"
+    ).fetchall()[0][0]
+    if not exists:
+        return 0
+    return conn.execute("SELECT coalesce(max(version), 0) FROM schema_migrations").fetchall()[0][0]
+
+
+def migrate(conn: duckdb.DuckDBPyConnection, target: int = LATEST_VERSION) -> list[int]:
+    """Apply every migration above the store's version up to `target`; return the versions applied."""
+    conn.execute(
+        "CREATE TABLE IF NOT EXISTS schema_migrations (version INTEGER PRIMARY KEY, description VARCHAR,"
+        " applied_at TIMESTAMP DEFAULT current_timestamp)"
+    )
+    version = current_version(conn)
+    if version > LATEST_VERSION:
+        raise StoreError(
+            f"the store is at schema version {version}, newer than this agent's {LATEST_VERSION}",
+            hint="upgrade llmobs-agent, or point --db at another file",
+        )
+    applied = []
+    for migration in MIGRATIONS:
+        if version < migration.version <= target:
+            conn.execute("BEGIN TRANSACTION")
+            try:
+                for statement in migration.statements:
+                    conn.execute(statement)
+                conn.execute(
+                    "INSERT INTO schema_migrations (version, description) VALUES (?, ?)",
+                    [migration.version, migration.description],
+                )
+                conn.execute("COMMIT")
+            except Exception:
+                conn.execute("ROLLBACK")
+                raise
+            applied.append(migration.version)
+    return applied
+
+
+def table_columns(conn: duckdb.DuckDBPyConnection, table: str) -> dict[str, str]:
+    """name -> DuckDB type of a table's columns, in order."""
+    rows = conn.execute(
+        "SELECT column_name, data_type FROM information_schema.columns WHERE table_name = ?"
+        " ORDER BY ordinal_position",
+        [table],
+    ).fetchall()
+    return dict(rows)

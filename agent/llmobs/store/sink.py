@@ -1,0 +1,274 @@
+"""DuckDBStore: the local store and the pipeline's sink for it.
+
+A batch is a mapping {destination: table-like}; destinations are table names, plus "events" for eBPF
+events, which are routed to mem_events / gpu_ops / host_events by their `kind` column. One batch is one
+transaction: after a crash (even SIGKILL) a batch is either wholly in the store or not at all.
+
+As a sink (DESIGN.md) `export(batch)` returns a SinkResult and never raises into the pipeline; failures
+are counted and the last error kept. `append()` is the raising form, for tools and tests.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from llmobs import clock
+from llmobs.errors import StoreError
+from llmobs.store import schema
+from llmobs.store.batches import TableLike, to_arrow
+
+DEFAULT_DB_PATH = Path("/var/lib/llmobs/llmobs.duckdb")
+DB_PATH_ENV = "LLMOBS_DB"  # overrides the default path; `--db` overrides both
+
+
+def default_db_path() -> Path:
+    return Path(os.environ.get(DB_PATH_ENV) or DEFAULT_DB_PATH)
+
+
+@dataclass
+class SinkResult:
+    """What a sink reports for one export or shutdown; `ok` False carries the reason in `error`."""
+
+    ok: bool
+    rows: int = 0
+    error: str | None = None
+
+
+@dataclass
+class SinkCounters:
+    batches_ok: int = 0
+    batches_failed: int = 0
+    rows_written: int = 0
+    rows_by_table: dict[str, int] = field(default_factory=dict)
+    last_error: str | None = None
+
+
+def open_connection(path: Path | str, read_only: bool = False) -> duckdb.DuckDBPyConnection:
+    """Open a DuckDB file with errors turned into one clear StoreError line."""
+    path = Path(path)
+    if read_only and not path.exists():
+        raise StoreError(f"no store at {path}", hint="give the agent's store with --db PATH")
+    if not read_only:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create {path.parent}: {exc.strerror}") from None
+    try:
+        return duckdb.connect(str(path), read_only=read_only)
+    except duckdb.Error as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StoreError(f"cannot open {path}: {first_line}") from None
+
+
+class DuckDBStore:
+    """The llmobs DuckDB file: schema migrated at open, batched transactional appends, counted failures."""
+
+    def __init__(
+        self, path: Path | str | None = None, *, read_only: bool = False, threads: int | None = None
+    ):
+        self.path = Path(path) if path is not None else default_db_path()
+        self.read_only = read_only
+        self.counters = SinkCounters()
+        self._lock = threading.Lock()
+        self._threads = threads
+        self._open()
+
+    def _open(self) -> None:
+        read_only, threads = self.read_only, self._threads
+        self._conn = open_connection(self.path, read_only=read_only)
+        try:
+            if threads:
+                self._conn.execute(f"SET threads = {int(threads)}")
+            if read_only:
+                version = schema.current_version(self._conn)
+                if version == 0:
+                    raise StoreError(f"{self.path} is a DuckDB file but not an llmobs store (no schema)")
+                if version > schema.LATEST_VERSION:
+                    raise StoreError(
+                        f"the store is at schema version {version}, newer than this agent's "
+                        f"{schema.LATEST_VERSION}",
+                        hint="upgrade llmobs-agent",
+                    )
+            else:
+                schema.migrate(self._conn)
+            self._columns = {
+                table: schema.table_columns(self._conn, table) for table in schema.TIME_COLUMN if table
+            }
+        except duckdb.Error as exc:
+            self._conn.close()
+            raise StoreError(f"cannot use {self.path}: {str(exc).splitlines()[0]}") from None
+        except StoreError:
+            self._conn.close()
+            raise
+
+    def _reopen(self) -> None:
+        """Open the file again (after retention swapped in a compacted copy)."""
+        self._open()
+
+    @property
+    def connection(self) -> duckdb.DuckDBPyConnection:
+        return self._conn
+
+    def __enter__(self) -> DuckDBStore:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # -- appending -------------------------------------------------------------------------------
+
+    def append(self, batch: Mapping[str, TableLike]) -> dict[str, int]:
+        """Append every part of `batch` in one transaction; return rows per table. Raises StoreError."""
+        tables = {dest: to_arrow(data) for dest, data in batch.items()}
+        with self._lock:
+            conn = self._conn
+            conn.execute("BEGIN TRANSACTION")
+            try:
+                written: dict[str, int] = {}
+                for index, (dest, table) in enumerate(tables.items()):
+                    if table.num_rows == 0:
+                        continue
+                    view = f"_llmobs_batch_{index}"
+                    conn.register(view, table)
+                    try:
+                        for target, rows in self._insert(dest, view, table.schema.names):
+                            written[target] = written.get(target, 0) + rows
+                    finally:
+                        conn.unregister(view)
+                conn.execute("COMMIT")
+            except Exception as exc:
+                conn.execute("ROLLBACK")
+                if isinstance(exc, StoreError):
+                    raise
+                raise StoreError(f"append failed: {str(exc).splitlines()[0]}") from exc
+        return written
+
+    def _insert(self, dest: str, view: str, names: list[str]) -> list[tuple[str, int]]:
+        if dest == "events":
+            if "kind" not in names:
+                raise StoreError("an events batch needs a `kind` column (mem | gpu | host | compute)")
+            routes = [
+                ("mem_events", "kind = 'mem'"),
+                ("gpu_ops", "kind = 'gpu'"),
+                ("host_events", "kind IS DISTINCT FROM 'mem' AND kind IS DISTINCT FROM 'gpu'"),
+            ]
+            return [(table, self._insert_select(table, view, names, where)) for table, where in routes]
+        if dest not in self._columns or dest == "schema_migrations":
+            raise StoreError(f"unknown destination {dest!r}")
+        return [(dest, self._insert_select(dest, view, names, None))]
+
+    def _insert_select(self, table: str, view: str, names: list[str], where: str | None) -> int:
+        target_columns = self._columns[table]
+        ignorable = {"kind", "trace_id"} if table in schema.EVENT_TABLES else set()
+        unknown = [n for n in names if n not in target_columns and n not in ignorable]
+        if unknown:
+            raise StoreError(f"{table} has no column(s) {', '.join(unknown)}")
+        into, select = [], []
+        for column in target_columns:
+            if column in names:
+                into.append(column)
+                select.append(f'"{column}"')
+            elif column in ("trace_hi", "trace_lo") and "trace_id" in names:
+                # The agreed decoded form is 32 hex chars ('' untracked); we keep its two 64-bit words.
+                start = 1 if column == "trace_hi" else 17
+                into.append(column)
+                select.append(
+                    f"CASE WHEN coalesce(trace_id, '') = '' THEN 0::UBIGINT"
+                    f" ELSE ('0x' || substr(trace_id, {start}, 16))::UBIGINT END"
+                )
+        if table == "probe_aggregates" and "ts_ns" not in names:
+            into.append("ts_ns")  # when it was read, so retention can age it out
+            select.append(str(clock.monotonic_ns()))
+        sql = f"INSERT INTO {table} ({', '.join(into)}) SELECT {', '.join(select)} FROM {view}"
+        if where:
+            sql += f" WHERE {where}"
+        return self._conn.execute(sql).fetchall()[0][0]
+
+    def export(self, batch: Mapping[str, TableLike]) -> SinkResult:
+        """The sink interface: append `batch`, never raise; failures are counted in `counters`."""
+        try:
+            written = self.append(batch)
+        except Exception as exc:  # a sink must not take the pipeline down
+            self.counters.batches_failed += 1
+            self.counters.last_error = str(exc)
+            return SinkResult(ok=False, error=str(exc))
+        rows = sum(written.values())
+        self.counters.batches_ok += 1
+        self.counters.rows_written += rows
+        for table, count in written.items():
+            self.counters.rows_by_table[table] = self.counters.rows_by_table.get(table, 0) + count
+        return SinkResult(ok=True, rows=rows)
+
+    def record_clock_fit(self, clock_name: str, fit: clock.ClockFit | clock.WallClock, pid: int = 0) -> None:
+        """Store the clock conversion in use, with its measured error (the issue asks it be kept)."""
+        if isinstance(fit, clock.WallClock):
+            values = (fit.measured_at_mono_ns, fit.offset_ns, 0.0, fit.error_ns, fit.residual_ns, fit.samples)
+        else:
+            values = (fit.ref_mono_ns, fit.offset_ns, fit.drift_ppm, 0.0, fit.residual_ns, fit.samples)
+        with self._lock:
+            self._conn.execute(
+                "INSERT INTO clock_fits (ts_ns, pid, clock, ref_mono_ns, offset_ns, drift_ppm, error_ns,"
+                " residual_ns, samples) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [clock.monotonic_ns(), pid, clock_name, *values],
+            )
+
+    def upsert_process(self, pid: int, start_ns: int = 0, **columns: object) -> None:
+        """Insert or update one row of `processes` (key: pid, start_ns, which tells reused pids apart)."""
+        allowed = set(self._columns["processes"]) - {"pid", "start_ns"}
+        bad = set(columns) - allowed
+        if bad:
+            raise StoreError(f"processes has no column(s) {', '.join(sorted(bad))}")
+        names = ["pid", "start_ns", *columns]
+        updates = ", ".join(f"{n} = excluded.{n}" for n in columns)
+        on_conflict = f"DO UPDATE SET {updates}" if updates else "DO NOTHING"
+        with self._lock:
+            self._conn.execute(
+                f"INSERT INTO processes ({', '.join(names)}) VALUES ({', '.join('?' * len(names))})"
+                f" ON CONFLICT (pid, start_ns) {on_conflict}",
+                [pid, start_ns, *columns.values()],
+            )
+
+    # -- reading and lifecycle -------------------------------------------------------------------
+
+    def query(self, sql: str, params: list | None = None) -> pa.Table:
+        with self._lock:
+            return self._conn.sql(sql, params=params).to_arrow_table()
+
+    def count(self, table: str) -> int:
+        if table not in self._columns:
+            raise StoreError(f"unknown table {table!r}")
+        with self._lock:
+            return self._conn.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
+
+    def checkpoint(self) -> None:
+        with self._lock:
+            self._conn.execute("CHECKPOINT")
+
+    def shutdown(self, timeout: float | None = None) -> SinkResult:
+        """Flush (CHECKPOINT) and close; never raise. An export running past `timeout` is interrupted."""
+        acquired = self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0))
+        try:
+            if not acquired:
+                self._conn.interrupt()
+                acquired = self._lock.acquire(timeout=5)
+            if not self.read_only:
+                self._conn.execute("CHECKPOINT")
+            self._conn.close()
+            return SinkResult(ok=True)
+        except Exception as exc:
+            self.counters.last_error = str(exc)
+            return SinkResult(ok=False, error=str(exc))
+        finally:
+            if acquired:
+                self._lock.release()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
