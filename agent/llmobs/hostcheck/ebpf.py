@@ -17,6 +17,7 @@ from llmobs.hostcheck.model import Context, Finding, Status
 
 # A libc function nothing else in the agent calls, so every hit on it is one of ours.
 PROBED_LIBC_FUNCTION = "l64a"
+_PROBED = PROBED_LIBC_FUNCTION.encode()  # bcc 0.26 wants bytes for names
 UPROBE_CALLS = 100
 TRACEPOINT = "syscalls:sys_enter_getppid"
 TRACEPOINT_CALLS = 50
@@ -122,7 +123,7 @@ def _compiles_without_loading(ctx: Context, blocked: Finding) -> Finding:
     try:
         bcc = _import_bcc()
         start = time.monotonic()
-        bcc.BPF(text=MAPLESS_PROGRAM).cleanup()
+        bcc.BPF(text=MAPLESS_PROGRAM.encode()).cleanup()
     except ImportError as exc:
         return Finding(Status.MISSING, f"cannot import bcc ({exc}); and {reason}", blocked.hint)
     except Exception as exc:  # bcc raises bare Exception when the compile fails
@@ -147,10 +148,10 @@ def check_bcc(ctx: Context) -> Finding:
     version = getattr(bcc, "__version__", "?")
     start = time.monotonic()
     try:
-        program = bcc.BPF(text=COUNTER_PROGRAM, cflags=[f"-DLLMOBS_TGID={os.getpid()}"])
+        program = bcc.BPF(text=COUNTER_PROGRAM.encode(), cflags=[f"-DLLMOBS_TGID={os.getpid()}"])
         ctx.on_close(program.cleanup)
-        program.load_func("on_uprobe", bcc.BPF.KPROBE)
-        program.load_func("on_tracepoint", bcc.BPF.TRACEPOINT)
+        program.load_func(b"on_uprobe", bcc.BPF.KPROBE)
+        program.load_func(b"on_tracepoint", bcc.BPF.TRACEPOINT)
     except Exception as exc:  # bcc raises bare Exception for compile and load failures
         return Finding(
             Status.MISSING,
@@ -191,12 +192,12 @@ def check_uprobe(ctx: Context) -> Finding:
         return blocked
     libc = _libc_path()
     pid = os.getpid()
-    program.attach_uprobe(name=libc, sym=PROBED_LIBC_FUNCTION, fn_name="on_uprobe", pid=pid)
+    program.attach_uprobe(name=libc.encode(), sym=_PROBED, fn_name=b"on_uprobe", pid=pid)
     try:
         _call_libc(PROBED_LIBC_FUNCTION, 1, UPROBE_CALLS)
-        counted = program["hits"][ctypes.c_int(0)].value
+        counted = program[b"hits"][ctypes.c_int(0)].value
     finally:
-        program.detach_uprobe(name=libc, sym=PROBED_LIBC_FUNCTION, pid=pid)
+        program.detach_uprobe(name=libc.encode(), sym=_PROBED, pid=pid)
     return _count_finding(
         f"{os.path.basename(libc)}:{PROBED_LIBC_FUNCTION} in this process",
         counted,
@@ -209,13 +210,13 @@ def check_tracepoint(ctx: Context) -> Finding:
     program, blocked = _counter_program(ctx)
     if blocked is not None:
         return blocked
-    program.attach_tracepoint(tp=TRACEPOINT, fn_name="on_tracepoint")
+    program.attach_tracepoint(tp=TRACEPOINT.encode(), fn_name=b"on_tracepoint")
     try:
         for _ in range(TRACEPOINT_CALLS):
             os.getppid()
-        counted = program["hits"][ctypes.c_int(1)].value
+        counted = program[b"hits"][ctypes.c_int(1)].value
     finally:
-        program.detach_tracepoint(tp=TRACEPOINT)
+        program.detach_tracepoint(tp=TRACEPOINT.encode())
     return _count_finding(
         f"{TRACEPOINT} from this process",
         counted,
@@ -234,7 +235,7 @@ def check_ringbuf(ctx: Context) -> Finding:
         return Finding(Status.MISSING, f"not tried: cannot import bcc ({exc})", INSTALL_BCC)
     hint = "BPF ring buffers need Linux 5.8+; upgrade the kernel"
     try:
-        program = bcc.BPF(text=RINGBUF_PROGRAM)
+        program = bcc.BPF(text=RINGBUF_PROGRAM.encode())
     except Exception as exc:  # bcc raises bare Exception when the map cannot be created
         return Finding(Status.MISSING, f"cannot create a BPF_RINGBUF_OUTPUT map: {exc}", hint)
     ctx.on_close(program.cleanup)
@@ -243,18 +244,18 @@ def check_ringbuf(ctx: Context) -> Finding:
     def on_event(_ctx, data, _size):
         received.append(ctypes.cast(data, ctypes.POINTER(ctypes.c_uint64))[0])
 
-    program["events"].open_ring_buffer(on_event)
+    program[b"events"].open_ring_buffer(on_event)
     libc = _libc_path()
     pid = os.getpid()
     cookie = 0x11D0C ^ (pid & 0xFFFF)  # not a constant, so a stale event cannot pass for ours
-    program.attach_uprobe(name=libc, sym=PROBED_LIBC_FUNCTION, fn_name="on_uprobe_submit", pid=pid)
+    program.attach_uprobe(name=libc.encode(), sym=_PROBED, fn_name=b"on_uprobe_submit", pid=pid)
     try:
         _call_libc(PROBED_LIBC_FUNCTION, cookie, 1)
         deadline = time.monotonic() + RINGBUF_POLL_S
         while not received and time.monotonic() < deadline:
             program.ring_buffer_poll(timeout=100)
     finally:
-        program.detach_uprobe(name=libc, sym=PROBED_LIBC_FUNCTION, pid=pid)
+        program.detach_uprobe(name=libc.encode(), sym=_PROBED, pid=pid)
     if received == [cookie]:
         return Finding(Status.OK, "BPF_RINGBUF_OUTPUT: 1 event submitted and polled back intact")
     if not received:
