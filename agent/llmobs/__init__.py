@@ -6,3 +6,21 @@ workload pays only for what it uses.
 """
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "instrument": ("llmobs.publisher_hf", "instrument"),
+    "request": ("llmobs.publisher", "request"),
+    "context": ("llmobs.publisher", "context"),
+}
+
+
+def __getattr__(name: str):
+    # Lazy: `import llmobs` costs nothing until the workload actually uses the publisher.
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'llmobs' has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """Generates bpf/llmobs_abi.h from llmobs.shm.layout, so C and Python can never disagree.
 
-    python -m llmobs.shm.cheader            print the header
-    python -m llmobs.shm.cheader --write    (re)write bpf/llmobs_abi.h
-    python -m llmobs.shm.cheader --check    exit 1 when bpf/llmobs_abi.h has drifted from the layout
+python -m llmobs.shm.cheader            print the header
+python -m llmobs.shm.cheader --write    (re)write bpf/llmobs_abi.h
+python -m llmobs.shm.cheader --check    exit 1 when bpf/llmobs_abi.h has drifted from the layout
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _struct(s: layout.Struct) -> list[str]:
     if pos < s.size:
         lines.append(f"    {f'__u8 _pad{pad_index}[{s.size - pos}];':<34}/* @{pos:<3} padding to {s.size} */")
     lines.append("};")
-    lines.append(f"_Static_assert(sizeof(struct {s.c_name}) == {s.size}, \"{s.c_name} size\");")
+    lines.append(f'_Static_assert(sizeof(struct {s.c_name}) == {s.size}, "{s.c_name} size");')
     for f in s.fields:
         lines.append(
             f"_Static_assert(__builtin_offsetof(struct {s.c_name}, {f.name}) == {s.offsets[f.name]}, "
@@ -75,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         current = HEADER_PATH.read_text() if HEADER_PATH.exists() else ""
         if current != text:
-            print(f"{HEADER_PATH} has drifted from llmobs.shm.layout; run "
-                  "`python -m llmobs.shm.cheader --write`", file=sys.stderr)
+            print(
+                f"{HEADER_PATH} has drifted from llmobs.shm.layout; run "
+                "`python -m llmobs.shm.cheader --write`",
+                file=sys.stderr,
+            )
             return 1
         return 0
     sys.stdout.write(text)

@@ -276,7 +276,8 @@ def is_valid_capacity(n: int) -> bool:
 
 def _layout_hash() -> int:
     text = ";".join(
-        f"{s.c_name}:{s.size}:" + ",".join(f"{f.name}/{f.type}/{f.count}@{s.offsets[f.name]}" for f in s.fields)
+        f"{s.c_name}:{s.size}:"
+        + ",".join(f"{f.name}/{f.type}/{f.count}@{s.offsets[f.name]}" for f in s.fields)
         for s in STRUCTS
     )
     text += f";ctx@{CTX_OFFSET};control@{CONTROL_OFFSET};names@{NAMES_OFFSET}"

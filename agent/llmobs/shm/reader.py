@@ -1,0 +1,420 @@
+"""The agent side of the map: open a pid's map read-only, validate everything, decode batches.
+
+The reader never maps the file: it reads with pread. A workload owns its file and could truncate
+it at any moment; an mmap reader would then die of SIGBUS, a pread only comes back short. Every
+size, offset and capacity in the header is checked against the layout before it is used, and every
+record is read twice and kept only when both copies agree and carry the sequence word of the
+position asked for (2*pos+2), so torn and overwritten records are counted, never returned.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmobs.errors import AccessDenied, MalformedMap, NoSuchProcess, NotTracked
+from llmobs.shm import layout
+from llmobs.shm.hashing import trace_hex
+from llmobs.shm.writer import map_path, process_start_ticks
+
+MAX_HEAD = 1 << 62  # a head beyond this cannot come from a real writer (and 2*pos+2 would overflow)
+_KNOWN_FLAGS = (
+    layout.FLAG_HAS_TARGET | layout.FLAG_GENERATE | layout.FLAG_TEACHER_FORCED | layout.FLAG_DEVICE_CUDA
+)
+STEP_COLUMNS = [
+    "pid", "step_seq", "trace_id", "step", "position", "token_id", "target_id", "loss", "entropy",
+    "target_prob", "target_rank", "top1_prob", "latency_ns", "t_start_ns", "t_end_ns", "batch_row",
+    "tenant", "session", "model_id", "kv_len",
+]  # fmt: skip
+
+
+class BufferSource:
+    """Reads from an in-memory copy of a map (tests, the fuzzer, a recorded blob)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview):
+        self.data = memoryview(data).cast("B")
+        self.size = len(self.data)
+
+    def read(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise MalformedMap(
+                f"read of {length} bytes at offset {offset} is outside the {self.size}-byte map"
+            )
+        return bytes(self.data[offset : offset + length])
+
+
+class FileSource:
+    """Reads a map file with pread: a file truncated under us gives a short read, never a SIGBUS."""
+
+    def __init__(self, fd: int, size: int, path: str):
+        self.fd, self.size, self.path = fd, size, path
+
+    def read(self, offset: int, length: int) -> bytes:
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise MalformedMap(
+                f"read of {length} bytes at offset {offset} is outside the {self.size}-byte map"
+            )
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise MalformedMap(f"{self.path} shrank while being read (got {len(data)} of {length} bytes)")
+        return data
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def validate_header(raw: bytes, file_size: int) -> dict:
+    """Check a header against the layout and the file size; return its fields as ints."""
+    if file_size < layout.HEADER.size or len(raw) < layout.HEADER.size:
+        raise MalformedMap(f"map is {file_size} bytes, smaller than its {layout.HEADER.size}-byte header")
+    h = {
+        k: int(v)
+        for k, v in zip(
+            layout.HEADER.dtype.names, np.frombuffer(raw, layout.HEADER.dtype, 1)[0].tolist(), strict=True
+        )
+        if k != "reserved"
+    }  # noqa: E501
+    if h["magic"] != layout.MAGIC:
+        raise MalformedMap(f"bad magic 0x{h['magic']:016x}: not an llmobs map")
+    if h["abi_version"] != layout.ABI_VERSION:
+        raise MalformedMap(
+            f"map has ABI version {h['abi_version']}, this agent reads version {layout.ABI_VERSION}"
+        )
+    if h["layout_hash"] != layout.LAYOUT_HASH or h["header_size"] != layout.HEADER.size:
+        raise MalformedMap("map layout differs from this agent's layout although the ABI version matches")
+    sizes = (
+        ("name_record_size", layout.NAME_RECORD.size),
+        ("step_record_size", layout.STEP_RECORD.size),
+        ("cupti_record_size", layout.CUPTI_RECORD.size),
+    )
+    for name, expected in sizes:
+        if h[name] != expected:
+            raise MalformedMap(f"header {name} is {h[name]}, expected {expected}")
+    for name in ("names_capacity", "steps_capacity", "cupti_capacity"):
+        if not layout.is_valid_capacity(h[name]):
+            raise MalformedMap(f"header {name} {h[name]} is not a power of two in 1..{layout.MAX_CAPACITY}")
+    regions = layout.regions(h["names_capacity"], h["steps_capacity"], h["cupti_capacity"])
+    expected_offsets = {
+        "ctx_offset": layout.CTX_OFFSET,
+        "control_offset": layout.CONTROL_OFFSET,
+        "names_offset": regions.names_offset,
+        "steps_offset": regions.steps_offset,
+        "cupti_offset": regions.cupti_offset,
+        "layout_size": regions.layout_size,
+    }
+    for name, expected in expected_offsets.items():
+        if h[name] != expected:
+            raise MalformedMap(f"header {name} is {h[name]}, the layout puts it at {expected}")
+    if h["layout_size"] != file_size:
+        raise MalformedMap(f"header says the map is {h['layout_size']} bytes but the file is {file_size}")
+    if h["clock_id"] != layout.CLOCK_MONOTONIC:
+        raise MalformedMap(f"unknown clock id {h['clock_id']} (expected 1 = CLOCK_MONOTONIC)")
+    if h["state"] not in (layout.STATE_LIVE, layout.STATE_CLOSED):
+        raise MalformedMap(f"unknown map state {h['state']}")
+    for name in ("names_head", "steps_head", "cupti_head"):
+        if h[name] >= MAX_HEAD:
+            raise MalformedMap(f"header {name} {h[name]} is impossibly large")
+    return h
+
+
+@dataclass
+class RingRead:
+    """What one read of a ring returned: valid records, and what could not be returned, counted."""
+
+    records: np.ndarray
+    positions: np.ndarray
+    next_cursor: int
+    lost: int = 0  # positions overwritten before we read them (the writer lapped us)
+    corrupt: int = 0  # committed-looking records that failed validation
+
+
+@dataclass
+class StepBatch:
+    """Decoded token steps as columns (the names agreed in notes/records.md), plus loss accounting."""
+
+    columns: dict[str, list | np.ndarray]
+    lost: int
+    corrupt: int
+    next_cursor: int
+    raw: np.ndarray = field(repr=False, default_factory=lambda: np.zeros(0, layout.STEP_RECORD.dtype))
+
+    def __len__(self) -> int:
+        return len(self.columns["step_seq"])
+
+    def rows(self) -> list[dict]:
+        names = list(self.columns)
+        cols = [self.columns[n] for n in names]
+        return [
+            {
+                n: (c[i].item() if isinstance(c, np.ndarray) else c[i])
+                for n, c in zip(names, cols, strict=True)
+            }
+            for i in range(len(self))
+        ]
+
+
+class MapView:
+    """A validated map, read through a source (a file or a buffer). The same code serves both."""
+
+    def __init__(self, source, expected_pid: int | None = None):
+        self.source = source
+        self.header = validate_header(source.read(0, layout.HEADER.size), source.size)
+        if expected_pid is not None and self.header["writer_pid"] != expected_pid:
+            raise MalformedMap(f"map names writer pid {self.header['writer_pid']}, expected {expected_pid}")
+        self.names: dict[int, str] = {}
+        self.name_kinds: dict[int, int] = {}
+        self._names_cursor = 0
+
+    def refresh(self) -> dict:
+        """Re-read the live header (heads, counters) and validate it again."""
+        self.header = validate_header(self.source.read(0, layout.HEADER.size), self.source.size)
+        return self.header
+
+    def context(self, tries: int = 100) -> dict | None:
+        """The current-context cell, read under its seqlock (None if it never held still)."""
+        size = layout.CTX_CELL.size
+        for _ in range(tries):
+            a = self.source.read(layout.CTX_OFFSET, size)
+            b = self.source.read(layout.CTX_OFFSET, size)
+            cell = np.frombuffer(a, layout.CTX_CELL.dtype, 1)[0]
+            if a == b and int(cell["seq"]) % 2 == 0:
+                return {
+                    "seq": int(cell["seq"]),
+                    "trace_id": trace_hex(int(cell["trace_id_hi"]), int(cell["trace_id_lo"])),
+                    "step_seq": int(cell["step_seq"]),
+                    "tenant_hash": int(cell["tenant_hash"]),
+                    "session_hash": int(cell["session_hash"]),
+                }
+        return None
+
+    def control(self) -> dict:
+        raw = self.source.read(layout.CONTROL_OFFSET, layout.CONTROL.size)
+        rec = np.frombuffer(raw, layout.CONTROL.dtype, 1)[0]
+        return {k: int(rec[k]) for k in layout.CONTROL.dtype.names if k != "reserved"}
+
+    # --- rings ------------------------------------------------------------------------------------
+    def _read_ring(self, struct: layout.Struct, offset: int, cap: int, head: int, cursor: int,
+                   limit: int | None) -> RingRead:  # fmt: skip
+        if cursor < 0 or cursor > head:
+            raise MalformedMap(
+                f"ring head {head} is behind the reader's cursor {cursor}: the writer restarted"
+            )
+        start = max(cursor, head - cap)
+        lost = start - cursor
+        end = head if limit is None else min(head, start + limit)
+        n = end - start
+        if n == 0:
+            return RingRead(np.zeros(0, struct.dtype), np.zeros(0, np.uint64), start, lost)
+        rec = struct.size
+        slot = start & (cap - 1)
+        first = min(n, cap - slot)
+
+        def once() -> bytes:
+            data = self.source.read(offset + slot * rec, first * rec)
+            if first < n:
+                data += self.source.read(offset, (n - first) * rec)
+            return data
+
+        a, b = once(), once()
+        recs = np.frombuffer(a, struct.dtype, n)
+        same = (np.frombuffer(a, np.uint8).reshape(n, rec) == np.frombuffer(b, np.uint8).reshape(n, rec)).all(
+            1
+        )
+        positions = np.arange(start, end, dtype=np.uint64)
+        expected = 2 * positions + 2
+        seq, seq_b = recs["seq"], np.frombuffer(b, struct.dtype, n)["seq"]
+        committed = same & (seq == expected)
+        overwritten = ~committed & ((seq > expected) | (seq_b > expected))
+        in_progress = (
+            ~committed
+            & ~overwritten
+            & ((seq == expected - 1) | (seq_b == expected - 1) | (~same & (seq == expected)))
+        )
+        next_cursor = end
+        if in_progress.any():  # stop at the first record still being written; retry it next time
+            stop = int(np.argmax(in_progress))
+            next_cursor = start + stop
+            committed, overwritten, positions, recs = (
+                committed[:stop],
+                overwritten[:stop],
+                positions[:stop],
+                recs[:stop],
+            )
+        corrupt = ~committed & ~overwritten
+        return RingRead(
+            recs[committed].copy(), positions[committed], next_cursor,
+            lost + int(overwritten.sum()), int(corrupt.sum()),
+        )  # fmt: skip
+
+    def read_names(self) -> int:
+        """Fold new names-ring records into self.names; returns how many were corrupt."""
+        h = self.header
+        got = self._read_ring(layout.NAME_RECORD, h["names_offset"], h["names_capacity"], h["names_head"],
+                              self._names_cursor, None)  # fmt: skip
+        corrupt = got.corrupt
+        for r in got.records:
+            length, kind = int(r["length"]), int(r["kind"])
+            if length > layout.NAME_TEXT_BYTES or not layout.NAME_TENANT <= kind <= layout.NAME_OTHER:
+                corrupt += 1
+                continue
+            self.names[int(r["hash"])] = bytes(r["text"][:length]).decode("utf-8", "replace")
+            self.name_kinds[int(r["hash"])] = kind
+        self._names_cursor = got.next_cursor
+        return corrupt
+
+    def name(self, h: int) -> str:
+        return self.names.get(h, "") if h else ""
+
+    def read_steps(self, cursor: int = 0, limit: int | None = None, refresh: bool = True) -> StepBatch:
+        """Token steps from position `cursor` on, decoded into the agreed columns."""
+        if refresh:
+            self.refresh()
+        h = self.header
+        corrupt = self.read_names()
+        got = self._read_ring(layout.STEP_RECORD, h["steps_offset"], h["steps_capacity"], h["steps_head"],
+                              cursor, limit)  # fmt: skip
+        recs = got.records
+        ok = (
+            (recs["step_seq"] >= 1)
+            & (recs["t_end_ns"] >= recs["t_start_ns"])
+            & (recs["batch_row"] >= 0)
+            & (recs["kv_len"] >= -1)
+            & (recs["target_id"] >= -1)
+            & (recs["token_id"] >= -1)
+            & (recs["target_rank"] >= -1)
+            & ((recs["flags"] & ~np.uint32(_KNOWN_FLAGS)) == 0)
+        )
+        corrupt += got.corrupt + int((~ok).sum())
+        recs = recs[ok]
+        return StepBatch(self.decode_steps(recs), got.lost, corrupt, got.next_cursor, recs)
+
+    def decode_steps(self, recs: np.ndarray) -> dict[str, list | np.ndarray]:
+        pid = self.header["writer_pid"]
+        n = len(recs)
+        hi, lo = recs["trace_id_hi"].tolist(), recs["trace_id_lo"].tolist()
+        t_start = recs["t_start_ns"].astype(np.int64)
+        t_end = recs["t_end_ns"].astype(np.int64)
+        names = {}
+        for key, col in (("tenant", "tenant_hash"), ("session", "session_hash"), ("model_id", "model_hash")):
+            names[key] = [self.name(x) for x in recs[col].tolist()]
+        return {
+            "pid": np.full(n, pid, np.int64),
+            "step_seq": recs["step_seq"].astype(np.int64),
+            "trace_id": [trace_hex(a, b) for a, b in zip(hi, lo, strict=True)],
+            "step": recs["step"].astype(np.int64),
+            "position": recs["position"].astype(np.int64),
+            "token_id": recs["token_id"].astype(np.int64),
+            "target_id": recs["target_id"].astype(np.int64),
+            "loss": recs["loss"].astype(np.float32),
+            "entropy": recs["entropy"].astype(np.float32),
+            "target_prob": recs["target_prob"].astype(np.float32),
+            "target_rank": recs["target_rank"].astype(np.int32),
+            "top1_prob": recs["top1_prob"].astype(np.float32),
+            "latency_ns": t_end - t_start,
+            "t_start_ns": t_start,
+            "t_end_ns": t_end,
+            "batch_row": recs["batch_row"].astype(np.int32),
+            "tenant": names["tenant"],
+            "session": names["session"],
+            "model_id": names["model_id"],
+            "kv_len": recs["kv_len"].astype(np.int32),
+        }
+
+    def read_cupti(self, cursor: int = 0) -> RingRead:
+        h = self.header
+        return self._read_ring(layout.CUPTI_RECORD, h["cupti_offset"], h["cupti_capacity"], h["cupti_head"],
+                               cursor, None)  # fmt: skip
+
+
+def parse_buffer(data: bytes | bytearray | memoryview) -> tuple[MapView, StepBatch]:
+    """Validate and decode a whole in-memory map (the fuzzer's entry point; same code as files)."""
+    view = MapView(BufferSource(data))
+    return view, view.read_steps(0, refresh=False)
+
+
+class ShmReader(MapView):
+    """A live process's map, opened read-only and checked against the process that should own it."""
+
+    def __init__(self, pid: int, *, shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc"):
+        self.pid = pid
+        self.path = map_path(pid, shm_dir)
+        if not os.path.isdir(f"{proc_root}/{pid}"):
+            if os.path.lexists(self.path):
+                raise NoSuchProcess(
+                    f"process {pid} does not exist; {self.path} is a stale map it left behind",
+                    hint=f"the process exited without cleaning up; remove {self.path}",
+                )
+            raise NoSuchProcess(f"no process with pid {pid}")
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise NotTracked(f"process {pid} publishes no llmobs map ({self.path} does not exist)") from None
+        except PermissionError:
+            raise AccessDenied(
+                f"cannot read {self.path}: permission denied",
+                hint="run as root or as the user that runs the workload",
+            ) from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise MalformedMap(f"{self.path} is a symbolic link, not a map file") from None
+            raise MalformedMap(f"cannot open {self.path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            self._check_file(st, proc_root)
+            source = FileSource(fd, st.st_size, self.path)
+            super().__init__(source, expected_pid=pid)
+            self._check_not_stale(proc_root)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _check_file(self, st: os.stat_result, proc_root: str) -> None:
+        if not stat.S_ISREG(st.st_mode):
+            raise MalformedMap(f"{self.path} is not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode != layout.FILE_MODE:
+            raise MalformedMap(
+                f"{self.path} has mode {mode:04o}, a map must be 0600",
+                hint="another user could have written it; remove the file and restart the workload",
+            )
+        try:
+            owner = os.stat(f"{proc_root}/{self.pid}").st_uid
+        except FileNotFoundError:
+            raise NoSuchProcess(f"process {self.pid} exited") from None
+        if st.st_uid != owner:
+            raise MalformedMap(
+                f"{self.path} is owned by uid {st.st_uid} but process {self.pid} runs as uid {owner}",
+                hint="another user could have written it; remove the file and restart the workload",
+            )
+
+    def _check_not_stale(self, proc_root: str) -> None:
+        try:
+            ticks = process_start_ticks(self.pid, proc_root)
+        except (FileNotFoundError, ProcessLookupError):
+            raise NoSuchProcess(f"process {self.pid} exited") from None
+        except (OSError, ValueError, IndexError):
+            return  # an unreadable stat cannot prove staleness
+        if ticks != self.header["writer_start_ticks"]:
+            raise NotTracked(
+                f"{self.path} is stale: it was written by an earlier process with pid {self.pid}",
+                hint=f"the pid was reused; remove {self.path}",
+            )
+
+    def is_alive(self) -> bool:
+        try:
+            return process_start_ticks(self.pid) == self.header["writer_start_ticks"]
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def close(self) -> None:
+        self.source.close()
+
+    def __enter__(self) -> ShmReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,512 @@
+"""The workload side of the map: creates /dev/shm/llmobs.<pid> and publishes into it, wait-free.
+
+The writer never waits for the agent. Rings overwrite their oldest records; a reader that falls
+behind counts exactly the positions it never saw. Each record is guarded by a sequence word written
+2*pos+1 before and 2*pos+2 after its fields, so a torn or overwritten record is always detected.
+On CUDA the device block of a record is copied with non_blocking=True and the record is committed
+only once a CUDA event recorded after the copy has completed, polled without blocking.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import contextlib
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from llmobs.shm import layout
+from llmobs.shm.hashing import name_hash
+
+_U64 = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_CELL_BODY = struct.Struct("<QQQQQ")  # trace_id_hi, trace_id_lo, step_seq, tenant_hash, session_hash
+_STEP_HOST = struct.Struct("<QQQQQQQQIIii")  # step_seq .. kv_len, at record offset 8
+_NAME_HEAD = struct.Struct("<QII")  # hash, kind, length at name record offset 8
+_CONTROL_CMD = struct.Struct("<QIIQ")  # cmd_seq, cmd, cmd_flags, cmd_arg
+_CONTROL_ACK = struct.Struct("<IIQQ")  # ack_status, ack_pid, ack_step_seq, done_step_seq at +32
+_CUPTI_BODY = struct.Struct("<QQQQQIII")  # step_seq .. stream_id at CUPTI record offset 8
+
+_H = layout.HEADER.offsets
+_C = layout.CONTROL.offsets
+MAX_PENDING_STEPS = 256  # CUDA steps whose copies may still be in flight; more are dropped, not waited on
+SMALL_BATCH = 8  # up to this many records are written with struct.pack_into; more with numpy
+
+# control command handlers: cmd -> fn(writer, arg) -> (ack status, stop callback or None)
+CommandHandler = Callable[["ShmWriter", int], tuple[int, Callable[[], None] | None]]
+_command_handlers: dict[int, CommandHandler] = {}
+
+
+def register_command_handler(cmd: int, handler: CommandHandler) -> None:
+    """Let an in-process component (the CUPTI collector) carry out an agent command."""
+    _command_handlers[cmd] = handler
+
+
+def process_start_ticks(pid: int | str = "self", proc_root: str = "/proc") -> int:
+    """Field 22 of /proc/PID/stat (start time in clock ticks since boot): with the pid, a unique id."""
+    with open(f"{proc_root}/{pid}/stat", "rb") as f:
+        data = f.read()
+    return int(data[data.rindex(b")") + 2 :].split()[19])
+
+
+def map_path(pid: int, shm_dir: str = layout.SHM_DIR) -> str:
+    return os.path.join(shm_dir, f"{layout.FILE_PREFIX}{pid}")
+
+
+class ShmWriter:
+    """One process's map. Create with ShmWriter.create(); publish with begin_step / publish_steps."""
+
+    def __init__(
+        self,
+        *,
+        shm_dir: str = layout.SHM_DIR,
+        names_capacity: int = layout.DEFAULT_NAMES_CAPACITY,
+        steps_capacity: int = layout.DEFAULT_STEPS_CAPACITY,
+        cupti_capacity: int = layout.DEFAULT_CUPTI_CAPACITY,
+        model_id: str | None = None,
+    ):
+        for cap in (names_capacity, steps_capacity, cupti_capacity):
+            if not layout.is_valid_capacity(cap):
+                raise ValueError(f"ring capacity {cap} must be a power of two in 1..{layout.MAX_CAPACITY}")
+        self.pid = os.getpid()
+        self.path = map_path(self.pid, shm_dir)
+        regions = layout.regions(names_capacity, steps_capacity, cupti_capacity)
+        self.size = regions.layout_size
+        # A file with our pid can only be a stale one from a dead process whose pid we now reuse.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(self.path, flags, layout.FILE_MODE)
+        try:
+            os.fchmod(fd, layout.FILE_MODE)  # the umask may have cleared bits; 0600 exactly
+            os.ftruncate(fd, self.size)
+            self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.names_offset = regions.names_offset
+        self.steps_offset = regions.steps_offset
+        self.cupti_offset = regions.cupti_offset
+        self.names_capacity = names_capacity
+        self.steps_capacity = steps_capacity
+        self.cupti_capacity = cupti_capacity
+        self.steps = np.ndarray(
+            (steps_capacity,), layout.STEP_RECORD.dtype, buffer=self.mm, offset=self.steps_offset
+        )
+        self._lock = threading.Lock()  # serialises claims between the workload's own threads only
+        self.step_seq = 0
+        self._cell_seq = 0  # only ever grows: a seqlock whose counter went back could pass a torn read
+        self.steps_head = 0
+        self.names_head = 0
+        self.cupti_head = 0
+        self.steps_dropped = 0
+        self._names: dict[int, int] = {}  # hash -> position it was last published at
+        self._pending: collections.deque = collections.deque()  # CUDA steps awaiting their copy
+        self._device_view = None
+        self._cuda_registered = False
+        self._acked_cmd_seq = 0
+        self._cmd_until: int | None = None
+        self._cmd_stop: Callable[[], None] | None = None
+        self.closed = False
+        self._write_header(regions, model_id)
+
+    # --- creation and teardown ------------------------------------------------------------------
+    def _write_header(self, regions: layout.Regions, model_id: str | None) -> None:
+        hdr = np.zeros((), layout.HEADER.dtype)
+        hdr["abi_version"] = layout.ABI_VERSION
+        hdr["header_size"] = layout.HEADER.size
+        hdr["layout_size"] = self.size
+        hdr["layout_hash"] = layout.LAYOUT_HASH
+        hdr["writer_pid"] = self.pid
+        hdr["writer_uid"] = os.getuid()
+        hdr["writer_start_ticks"] = process_start_ticks()
+        hdr["clock_id"] = layout.CLOCK_MONOTONIC
+        hdr["state"] = layout.STATE_LIVE
+        hdr["created_ns"] = time.monotonic_ns()
+        hdr["ctx_offset"] = layout.CTX_OFFSET
+        hdr["control_offset"] = layout.CONTROL_OFFSET
+        hdr["names_offset"] = regions.names_offset
+        hdr["names_capacity"] = self.names_capacity
+        hdr["name_record_size"] = layout.NAME_RECORD.size
+        hdr["steps_offset"] = regions.steps_offset
+        hdr["steps_capacity"] = self.steps_capacity
+        hdr["step_record_size"] = layout.STEP_RECORD.size
+        hdr["cupti_offset"] = regions.cupti_offset
+        hdr["cupti_capacity"] = self.cupti_capacity
+        hdr["cupti_record_size"] = layout.CUPTI_RECORD.size
+        hdr["model_hash"] = self.name(layout.NAME_MODEL, model_id) if model_id else 0
+        raw = hdr.tobytes()
+        self.mm[8 : layout.HEADER.size] = raw[8:]
+        _U64.pack_into(self.mm, 0, layout.MAGIC)  # last: a reader never sees a half-written header
+
+    def close(self, unlink: bool = True) -> None:
+        """Commit what the device has finished, mark the map closed and remove the file."""
+        if self.closed or os.getpid() != self.pid:  # a forked child never tears down its parent's map
+            return
+        self.closed = True
+        try:
+            self.poll_pending()
+            _U32.pack_into(self.mm, _H["state"], layout.STATE_CLOSED)
+        finally:
+            if unlink:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+
+    # --- names ------------------------------------------------------------------------------------
+    def name(self, kind: int, text: str | None) -> int:
+        """Hash of `text`, publishing the string once (again if the names ring has overwritten it)."""
+        h = name_hash(text)
+        if not h:
+            return 0
+        pos = self._names.get(h)
+        if pos is not None and self.names_head - pos < self.names_capacity:
+            return h
+        data = text.encode("utf-8")[: layout.NAME_TEXT_BYTES].decode("utf-8", "ignore").encode("utf-8")
+        with self._lock:
+            pos = self.names_head
+            off = self.names_offset + (pos & (self.names_capacity - 1)) * layout.NAME_RECORD.size
+            _U64.pack_into(self.mm, off, 2 * pos + 1)
+            self.names_head = pos + 1
+            _U64.pack_into(self.mm, _H["names_head"], self.names_head)
+            _NAME_HEAD.pack_into(self.mm, off + 8, h, kind, len(data))
+            self.mm[off + 24 : off + 24 + len(data)] = data
+            _U64.pack_into(self.mm, off, 2 * pos + 2)
+        self._names[h] = pos
+        return h
+
+    # --- the current-context cell -------------------------------------------------------------------
+    def begin_step(self, trace_hi: int, trace_lo: int, tenant_hash: int, session_hash: int) -> int:
+        """Start a token step: bump step_seq and publish the context the eBPF probes tag events with."""
+        mm = self.mm
+        self.step_seq += 1
+        seq = self.step_seq
+        cell = layout.CTX_OFFSET
+        odd = self._cell_seq + 1  # the cell's seqlock: odd while writing, even when stable
+        _U64.pack_into(mm, cell, odd)
+        _CELL_BODY.pack_into(mm, cell + 8, trace_hi, trace_lo, seq, tenant_hash, session_hash)
+        self._cell_seq = odd + 1
+        _U64.pack_into(mm, cell, odd + 1)
+        _U64.pack_into(mm, _H["heartbeat_ns"], time.monotonic_ns())
+        if self._pending:
+            self.poll_pending()
+        self._poll_control()
+        return seq
+
+    def clear_context(self) -> None:
+        """Between requests: the cell says "untracked" (step_seq 0) so idle work is not misattributed."""
+        mm = self.mm
+        cell = layout.CTX_OFFSET
+        odd = self._cell_seq + 1
+        _U64.pack_into(mm, cell, odd)
+        _CELL_BODY.pack_into(mm, cell + 8, 0, 0, 0, 0, 0)
+        self._cell_seq = odd + 1
+        _U64.pack_into(mm, cell, odd + 1)
+
+    # --- the control block ------------------------------------------------------------------------
+    def _poll_control(self) -> None:
+        base = layout.CONTROL_OFFSET
+        cmd_seq = _U64.unpack_from(self.mm, base)[0]
+        if self._cmd_until is not None and self.step_seq >= self._cmd_until:
+            self._finish_command()
+        if cmd_seq == self._acked_cmd_seq:
+            return
+        _, cmd, _, arg = _CONTROL_CMD.unpack_from(self.mm, base)
+        self._handle_command(cmd_seq, cmd, arg)
+
+    def _handle_command(self, cmd_seq: int, cmd: int, arg: int) -> None:
+        stop = None
+        if cmd in _command_handlers:
+            try:
+                status, stop = _command_handlers[cmd](self, arg)
+            except Exception:  # a failing collector must not break the workload
+                status = layout.ACK_UNSUPPORTED
+        elif cmd == layout.CMD_PING:
+            status = layout.ACK_OK
+        elif cmd == layout.CMD_COLLECT_CUPTI:
+            status = layout.ACK_NO_GPU if not _cuda_available() else layout.ACK_UNSUPPORTED
+        else:
+            status = layout.ACK_UNKNOWN_COMMAND
+        done = 0
+        if status == layout.ACK_OK and cmd == layout.CMD_COLLECT_CUPTI and arg:
+            self._cmd_until, self._cmd_stop = self.step_seq + arg, stop
+        else:
+            done = self.step_seq
+        base = layout.CONTROL_OFFSET
+        _CONTROL_ACK.pack_into(self.mm, base + _C["ack_status"], status, self.pid, self.step_seq, done)
+        _U64.pack_into(self.mm, base + _C["ack_seq"], cmd_seq)  # last: the agent's signal
+        self._acked_cmd_seq = cmd_seq
+
+    def _finish_command(self) -> None:
+        stop, self._cmd_stop, self._cmd_until = self._cmd_stop, None, None
+        if stop is not None:
+            with contextlib.suppress(Exception):
+                stop()
+        _U64.pack_into(self.mm, layout.CONTROL_OFFSET + _C["done_step_seq"], self.step_seq)
+
+    # --- token-step records -------------------------------------------------------------------------
+    def device_view(self):
+        """A torch float32 [capacity, 7] view of every record's device block, backed by the map."""
+        if self._device_view is None:
+            import torch
+
+            words = layout.STEP_RECORD.size // 4
+            flat = torch.frombuffer(
+                self.mm, dtype=torch.float32, count=self.steps_capacity * words, offset=self.steps_offset
+            )
+            first = layout.DEVICE_BLOCK_OFFSET // 4
+            self._device_view = flat.view(self.steps_capacity, words)[
+                :, first : first + layout.DEVICE_BLOCK_WORDS
+            ]
+        return self._device_view
+
+    def _register_with_cuda(self) -> None:
+        """Pin the map so device->map copies are truly asynchronous (pageable memory would sync)."""
+        self._cuda_registered = True
+        try:
+            import torch
+
+            view = self.device_view()
+            ptr = view.data_ptr() - self.steps_offset - layout.DEVICE_BLOCK_OFFSET
+            torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0)
+        except Exception:  # still correct without pinning, only slower
+            pass
+
+    def publish_steps(
+        self,
+        block,
+        *,
+        step_seq: int,
+        t_start: int,
+        t_end: int,
+        trace_hi,
+        trace_lo,
+        tenant_hash: int,
+        session_hash: int,
+        model_hash: int,
+        step,
+        position,
+        batch_row,
+        kv_len,
+        flags: int,
+    ) -> int:
+        """Publish len(block) records. `block` is a float32 [n, 7] tensor on any device (the device
+        block: loss, entropy, target_prob, top1_prob and int32 rank/token/target bits). The per-row
+        host fields are ints or numpy arrays of n. Returns the number of records dropped (0 normally)."""
+        n = int(block.shape[0])
+        cap = self.steps_capacity
+        if n > cap:  # more than the ring holds: publish in chunks (the reader loses the older ones)
+            dropped = 0
+            for lo in range(0, n, cap):
+                hi = min(n, lo + cap)
+                dropped += self.publish_steps(
+                    block[lo:hi], step_seq=step_seq, t_start=t_start, t_end=t_end,
+                    trace_hi=_take(trace_hi, lo, hi), trace_lo=_take(trace_lo, lo, hi),
+                    tenant_hash=tenant_hash, session_hash=session_hash, model_hash=model_hash,
+                    step=_take(step, lo, hi), position=_take(position, lo, hi),
+                    batch_row=_take(batch_row, lo, hi), kv_len=_take(kv_len, lo, hi), flags=flags,
+                )  # fmt: skip
+            return dropped
+        cuda = block.device.type == "cuda"
+        if cuda:
+            flags |= layout.FLAG_DEVICE_CUDA
+            if not self._cuda_registered:
+                self._register_with_cuda()
+            if len(self._pending) >= MAX_PENDING_STEPS:
+                self.poll_pending()
+                if len(self._pending) >= MAX_PENDING_STEPS:  # the device is far behind: drop, never wait
+                    self.steps_dropped += n
+                    _U64.pack_into(self.mm, _H["steps_dropped"], self.steps_dropped)
+                    return n
+        mm = self.mm
+        rec = layout.STEP_RECORD.size
+        with self._lock:
+            pos = self.steps_head
+            slot = pos & (cap - 1)
+            first = min(n, cap - slot)  # records before the ring wraps
+            if n <= SMALL_BATCH:
+                offs = [self.steps_offset + ((pos + i) & (cap - 1)) * rec for i in range(n)]
+                for i, off in enumerate(offs):
+                    _U64.pack_into(mm, off, 2 * (pos + i) + 1)
+            else:
+                seqs = 2 * np.arange(pos, pos + n, dtype=np.uint64) + 1
+                self.steps["seq"][slot : slot + first] = seqs[:first]
+                self.steps["seq"][: n - first] = seqs[first:]
+            self.steps_head = pos + n
+            _U64.pack_into(mm, _H["steps_head"], self.steps_head)
+            # the device block: one copy (two when the ring wraps)
+            view = self.device_view()
+            view[slot : slot + first].copy_(block[:first], non_blocking=True)
+            if first < n:
+                view[: n - first].copy_(block[first:], non_blocking=True)
+            if n <= SMALL_BATCH:
+                scalar = isinstance(step, int) and isinstance(kv_len, int)
+                for i, off in enumerate(offs):
+                    _STEP_HOST.pack_into(
+                        mm, off + 8, step_seq, int(trace_hi[i]), int(trace_lo[i]), t_start, t_end,
+                        tenant_hash, session_hash, model_hash,
+                        step if scalar else int(_at(step, i)), int(position[i]), int(batch_row[i]),
+                        kv_len if scalar else int(_at(kv_len, i)),
+                    )  # fmt: skip
+                    _U32.pack_into(mm, off + 116, flags)
+            else:
+                self._fill_many(
+                    slot,
+                    first,
+                    n,
+                    step_seq,
+                    t_start,
+                    t_end,
+                    trace_hi,
+                    trace_lo,
+                    tenant_hash,
+                    session_hash,
+                    model_hash,
+                    step,
+                    position,
+                    batch_row,
+                    kv_len,
+                    flags,
+                )
+            if cuda:
+                import torch
+
+                event = torch.cuda.Event()
+                event.record()
+                self._pending.append((event, pos, n))
+            elif n <= SMALL_BATCH:
+                for i, off in enumerate(offs):
+                    _U64.pack_into(mm, off, 2 * (pos + i) + 2)
+            else:
+                self._commit_many(pos, n)
+        return 0
+
+    def _fill_many(self, slot, first, n, step_seq, t_start, t_end, trace_hi, trace_lo, tenant_hash,
+                   session_hash, model_hash, step, position, batch_row, kv_len, flags) -> None:  # fmt: skip
+        values = {
+            "step_seq": step_seq, "trace_id_hi": trace_hi, "trace_id_lo": trace_lo, "t_start_ns": t_start,
+            "t_end_ns": t_end, "tenant_hash": tenant_hash, "session_hash": session_hash,
+            "model_hash": model_hash, "step": step, "position": position, "batch_row": batch_row,
+            "kv_len": kv_len, "flags": flags,
+        }  # fmt: skip
+        for name, value in values.items():
+            arr = np.broadcast_to(np.asarray(value), (n,))
+            self.steps[name][slot : slot + first] = arr[:first]
+            if first < n:
+                self.steps[name][: n - first] = arr[first:]
+
+    def _commit_many(self, pos: int, n: int) -> None:
+        cap = self.steps_capacity
+        slot = pos & (cap - 1)
+        first = min(n, cap - slot)
+        seqs = 2 * np.arange(pos, pos + n, dtype=np.uint64) + 2
+        self.steps["seq"][slot : slot + first] = seqs[:first]
+        if first < n:
+            self.steps["seq"][: n - first] = seqs[first:]
+
+    def poll_pending(self) -> int:
+        """Commit CUDA steps whose copies have completed, in order, without blocking."""
+        committed = 0
+        while self._pending and self._pending[0][0].query():
+            _, pos, n = self._pending.popleft()
+            self._commit_many(pos, n)
+            committed += n
+        return committed
+
+    # --- CUPTI records (written by the in-process collector) -----------------------------------------
+    def publish_cupti(
+        self, step_seq, start_ns, end_ns, correlation_id, name_h, kind, device_id, stream_id
+    ) -> None:
+        with self._lock:
+            pos = self.cupti_head
+            off = self.cupti_offset + (pos & (self.cupti_capacity - 1)) * layout.CUPTI_RECORD.size
+            _U64.pack_into(self.mm, off, 2 * pos + 1)
+            self.cupti_head = pos + 1
+            _U64.pack_into(self.mm, _H["cupti_head"], self.cupti_head)
+            _CUPTI_BODY.pack_into(
+                self.mm,
+                off + 8,
+                step_seq,
+                start_ns,
+                end_ns,
+                correlation_id,
+                name_h,
+                kind,
+                device_id,
+                stream_id,
+            )
+            _U64.pack_into(self.mm, off, 2 * pos + 2)
+
+
+def _at(value, i: int):
+    return value if isinstance(value, int) else value[i]
+
+
+def _take(value, lo: int, hi: int):
+    return value if isinstance(value, int) else value[lo:hi]
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# --- the process's writer: created on first use, forgotten in a forked child, removed at exit ------
+_writer: ShmWriter | None = None
+_writer_lock = threading.Lock()
+_writer_options: dict = {}
+
+
+def configure(**options) -> None:
+    """Options for the writer created on first use (shm_dir, capacities); env LLMOBS_* also apply."""
+    _writer_options.update(options)
+
+
+def get_writer() -> ShmWriter:
+    global _writer
+    w = _writer
+    if w is not None:
+        return w
+    with _writer_lock:
+        if _writer is None:
+            opts = {
+                "shm_dir": os.environ.get("LLMOBS_SHM_DIR", layout.SHM_DIR),
+                "steps_capacity": int(os.environ.get("LLMOBS_STEPS_CAPACITY", layout.DEFAULT_STEPS_CAPACITY)),
+            }
+            opts.update(_writer_options)
+            _writer = ShmWriter(**opts)
+            atexit.register(_writer.close)
+        return _writer
+
+
+def current_writer() -> ShmWriter | None:
+    return _writer
+
+
+def reset_writer() -> None:
+    """Close and forget the process's writer (tests; or to recreate it with other options)."""
+    global _writer
+    with _writer_lock:
+        if _writer is not None:
+            _writer.close()
+        _writer = None
+
+
+def _forget_in_child() -> None:
+    # The child inherits the parent's mapping; it must never write into it. It creates its own map
+    # (llmobs.<child pid>) on its first step.
+    global _writer
+    if _writer is not None:
+        _writer.closed = True  # makes close() a no-op in the child
+    _writer = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
