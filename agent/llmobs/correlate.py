@@ -1,0 +1,149 @@
+"""Correlation: join eBPF events and CUPTI records to token steps, and roll them up per forward pass.
+
+Join keys, in order of trust:
+1. the in-kernel tag: an event carrying (pid, step_seq) belongs to that forward pass;
+2. CUPTI's external correlation id, which the collector sets to the step_seq (gpu_ops.external_id);
+3. for untagged events (step_seq 0: before the first step, or a probe that could not read the cell),
+   the time window [t_start_ns, t_end_ns) of the same pid's forward pass they fall in.
+
+A forward pass (pid, step_seq) may produce several token steps (one per batch row); its rollup is
+shared by those rows. Counts come from the exact kernel aggregates (probe_aggregates) when the pass has
+any, else from the (possibly 1/N sampled) events; `counts_exact` says which. The joins run as SQL in
+DuckDB: the agent calls `correlate()` after each batch or periodically with `since_ns` set to the
+oldest step whose events may still arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import duckdb
+
+# Every eBPF event, one schema: the three event tables with their kind.
+_EVENTS = """
+    SELECT pid, step_seq, ts_ns, probe, value, duration_ns FROM mem_events
+    UNION ALL SELECT pid, step_seq, ts_ns, probe, value, duration_ns FROM host_events
+    UNION ALL SELECT pid, coalesce(external_id, step_seq), ts_ns, probe, value, duration_ns
+        FROM gpu_ops WHERE source = 'ebpf'
+"""
+
+_ROLLUP_SQL = f"""
+WITH passes AS (
+    SELECT pid, step_seq, count(*) AS tokens, min(t_start_ns) AS t_start_ns, max(t_end_ns) AS t_end_ns,
+           max(latency_ns) AS decode_latency_ns
+    FROM token_steps
+    WHERE step_seq <> 0 AND t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)
+    GROUP BY pid, step_seq
+),
+events AS ({_EVENTS}),
+tagged AS (
+    SELECT e.pid, e.step_seq, e.probe, count(*) AS n, sum(e.value) AS bytes, sum(e.duration_ns) AS ns
+    FROM events e SEMI JOIN passes p ON e.pid = p.pid AND e.step_seq = p.step_seq
+    GROUP BY ALL
+),
+exact AS (
+    SELECT a.pid, a.step_seq, a.probe, sum(a.count) AS n, sum(a.sum_value) AS bytes,
+           sum(a.sum_duration_ns) AS ns
+    FROM probe_aggregates a SEMI JOIN passes p ON a.pid = p.pid AND a.step_seq = p.step_seq
+    GROUP BY ALL
+),
+exact_passes AS (SELECT DISTINCT pid, step_seq FROM exact),
+per_step AS (  -- exact totals where the kernel kept them, else what the events say
+    SELECT * FROM exact
+    UNION ALL
+    SELECT t.* FROM tagged t ANTI JOIN exact_passes x ON t.pid = x.pid AND t.step_seq = x.step_seq
+),
+windowed AS (  -- untagged events, placed by time in the same pid's forward pass
+    SELECT p.pid, p.step_seq, e.probe, count(*) AS n, sum(e.value) AS bytes, sum(e.duration_ns) AS ns
+    FROM events e JOIN passes p
+      ON e.step_seq = 0 AND e.pid = p.pid AND e.ts_ns >= p.t_start_ns AND e.ts_ns < p.t_end_ns
+    GROUP BY ALL
+),
+classified AS (
+    SELECT pid, step_seq, probe_class(probe) AS cls, n, bytes, ns, 0 AS windowed FROM per_step
+    UNION ALL
+    SELECT pid, step_seq, probe_class(probe), n, bytes, ns, n FROM windowed
+),
+sums AS (
+    SELECT pid, step_seq,
+        sum(n) FILTER (cls = 'launch') AS launches,
+        sum(n) FILTER (cls = 'alloc') AS allocations,
+        sum(bytes) FILTER (cls = 'alloc') AS alloc_bytes,
+        sum(n) FILTER (cls = 'free') AS frees,
+        sum(bytes) FILTER (cls = 'memcpy') AS memcpy_bytes,
+        sum(ns) FILTER (cls = 'offcpu') AS off_cpu_ns,
+        sum(n) FILTER (cls = 'fault') AS page_faults,
+        sum(n) FILTER (cls = 'compute') AS compute_calls,
+        sum(n) - sum(windowed) AS tagged_events,
+        sum(windowed) AS windowed_events
+    FROM classified GROUP BY pid, step_seq
+),
+gpu AS (  -- device time from CUPTI records (converted to CLOCK_MONOTONIC), when CUPTI ran
+    SELECT g.pid, coalesce(g.external_id, g.step_seq) AS step_seq,
+           sum(g.gpu_end_ns - g.gpu_start_ns) AS gpu_ns
+    FROM gpu_ops g
+    WHERE g.source = 'cupti' AND g.gpu_start_ns IS NOT NULL AND g.gpu_end_ns IS NOT NULL
+    GROUP BY ALL
+)
+SELECT p.pid, p.step_seq, p.tokens, p.t_start_ns, p.t_end_ns, p.decode_latency_ns,
+    coalesce(s.launches, 0), coalesce(s.allocations, 0), coalesce(s.alloc_bytes, 0), coalesce(s.frees, 0),
+    coalesce(s.memcpy_bytes, 0), coalesce(s.off_cpu_ns, 0), coalesce(s.page_faults, 0),
+    coalesce(s.compute_calls, 0), g.gpu_ns, coalesce(s.tagged_events, 0), coalesce(s.windowed_events, 0),
+    x.pid IS NOT NULL
+FROM passes p
+LEFT JOIN sums s USING (pid, step_seq)
+LEFT JOIN gpu g USING (pid, step_seq)
+LEFT JOIN exact_passes x USING (pid, step_seq)
+"""
+
+# Requests are derived from their token steps: one row per (pid, trace_id), refreshed for the
+# requests that have steps in the window just correlated.
+_REQUESTS_SQL = """
+INSERT OR REPLACE INTO requests
+SELECT pid, trace_id, any_value(tenant), any_value(session), any_value(model_id),
+       min(t_start_ns), max(t_end_ns), count(*), avg(loss) FILTER (NOT isnan(loss))
+FROM token_steps
+WHERE (pid, trace_id) IN (
+    SELECT DISTINCT pid, trace_id FROM token_steps
+    WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid))
+GROUP BY pid, trace_id
+"""
+
+
+@dataclass(frozen=True)
+class CorrelateStats:
+    passes: int  # forward passes (re)rolled up
+    tagged_events: int  # events (or exact counts) joined by tag
+    windowed_events: int  # untagged events placed by time window
+    orphan_events: int  # tagged events whose step has no token step (yet) in the store
+    requests: int  # request rows refreshed
+
+
+def correlate(conn: duckdb.DuckDBPyConnection, since_ns: int = 0, pid: int | None = None) -> CorrelateStats:
+    """Recompute step_rollups and requests for the forward passes starting at or after `since_ns`
+    (of one pid, or all), in one transaction: readers never see a half-updated window."""
+    params = {"since": since_ns, "pid": pid}
+    conn.execute("BEGIN TRANSACTION")
+    try:
+        conn.execute(
+            "DELETE FROM step_rollups WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)", params
+        )
+        conn.execute(f"INSERT OR REPLACE INTO step_rollups {_ROLLUP_SQL}", params)
+        requests = conn.execute(_REQUESTS_SQL, params).fetchall()[0][0]
+        passes, tagged, windowed = conn.execute(
+            "SELECT count(*), coalesce(sum(tagged_events), 0), coalesce(sum(windowed_events), 0)"
+            " FROM step_rollups WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)",
+            params,
+        ).fetchall()[0]
+        orphans = conn.execute(
+            f"""SELECT count(*) FROM ({_EVENTS}) e
+                WHERE e.step_seq <> 0 AND e.ts_ns >= $since AND ($pid IS NULL OR e.pid = $pid)
+                AND NOT EXISTS (SELECT 1 FROM token_steps t
+                                WHERE t.pid = e.pid AND t.step_seq = e.step_seq)""",
+            params,
+        ).fetchall()[0][0]
+        conn.execute("COMMIT")
+    except Exception:
+        conn.execute("ROLLBACK")
+        raise
+    return CorrelateStats(int(passes), int(tagged), int(windowed), int(orphans), int(requests))
