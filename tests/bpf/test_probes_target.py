@@ -14,6 +14,7 @@ It prints "ready <cell address>" once set up.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import mmap
@@ -48,10 +49,8 @@ class ContextCell:
         struct.pack_into("<Q", self.map, CTX_OFFSET, self.seq)
 
     def remove(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def main() -> int:
@@ -82,10 +81,8 @@ def main() -> int:
                     F.linear(x, weight)
                 del held
             for _ in range(ioctls):
-                try:
+                with contextlib.suppress(OSError):
                     fcntl.ioctl(null_fd, termios.FIONREAD, b"\0\0\0\0")
-                except OSError:
-                    pass
             print("done", flush=True)
     finally:
         if cell:

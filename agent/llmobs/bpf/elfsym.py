@@ -119,7 +119,9 @@ class ElfFile:
         loads = []
         for i in range(self._phnum):
             base = self._phoff + i * self._phentsize
-            p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from("<IIQQQQ", self._map, base)
+            p_type, _flags, p_offset, p_vaddr, _paddr, p_filesz = struct.unpack_from(
+                "<IIQQQQ", self._map, base
+            )
             if p_type == _PT_LOAD:
                 loads.append((p_vaddr, p_filesz, p_offset))
         return loads

@@ -51,15 +51,28 @@ PROBES: tuple[Probe, ...] = (
     Probe("free_cpu", "mem", "mem", "free_cpu", "uprobe", LIB_C10, "_ZN3c108free_cpuEPv"),
     # host
     Probe(
-        "sched_switch", "host", "host", "sched_switch", "tracepoint",
+        "sched_switch",
+        "host",
+        "host",
+        "sched_switch",
+        "tracepoint",
         tracepoints=(("sched:sched_switch", "tracepoint_sched_switch"),),
     ),
     Probe(
-        "page_fault_user", "host", "host", "page_fault_user", "tracepoint",
+        "page_fault_user",
+        "host",
+        "host",
+        "page_fault_user",
+        "tracepoint",
         tracepoints=(("exceptions:page_fault_user", "tracepoint_page_fault_user"),),
     ),
     Probe(
-        "ioctl", "host", "host", "sys_ioctl", "tracepoint", timed=True,
+        "ioctl",
+        "host",
+        "host",
+        "sys_ioctl",
+        "tracepoint",
+        timed=True,
         tracepoints=(
             ("syscalls:sys_enter_ioctl", "tracepoint_sys_enter_ioctl"),
             ("syscalls:sys_exit_ioctl", "tracepoint_sys_exit_ioctl"),
@@ -108,7 +121,9 @@ def parse_profiles(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
     unknown = [name for name in names if name not in PROFILES]
     if unknown or not names:
-        raise ValueError(f"unknown profile(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PROFILES)}")
+        raise ValueError(
+            f"unknown profile(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PROFILES)}"
+        )
     return names
 
 

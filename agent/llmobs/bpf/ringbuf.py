@@ -29,7 +29,9 @@ class RingConsumer:
         self.data_bytes = data_bytes
         self._mask = data_bytes - 1
         self._consumer = mmap.mmap(map_fd, _PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-        self._producer = mmap.mmap(map_fd, _PAGE + 2 * data_bytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=_PAGE)
+        self._producer = mmap.mmap(
+            map_fd, _PAGE + 2 * data_bytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=_PAGE
+        )
         self._record = RING_RECORD_DTYPE.itemsize
         self.records = 0
         self.discarded = 0
@@ -46,7 +48,9 @@ class RingConsumer:
             count = min(count, max_records)
         if count <= 0:
             return np.empty(0, dtype=RING_RECORD_DTYPE["event"])
-        view = np.frombuffer(self._producer, dtype=RING_RECORD_DTYPE, count=count, offset=_PAGE + (cons & self._mask))
+        view = np.frombuffer(
+            self._producer, dtype=RING_RECORD_DTYPE, count=count, offset=_PAGE + (cons & self._mask)
+        )
         busy = np.flatnonzero(view["len"] & RING_BUSY_BIT)
         if len(busy):
             count = int(busy[0])

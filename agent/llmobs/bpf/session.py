@@ -85,7 +85,9 @@ class Stats:
 
 
 class AttachSession:
-    def __init__(self, pid: int, options: Options, program: ProbeProgram | None = None, procfs: ProcFS | None = None):
+    def __init__(
+        self, pid: int, options: Options, program: ProbeProgram | None = None, procfs: ProcFS | None = None
+    ):
         self.pid = pid
         self.options = options
         self.procfs = procfs or ProcFS()
@@ -115,12 +117,14 @@ class AttachSession:
             re.match(r"libc10(-[0-9a-f]+)?\.so", os.path.basename(e.path)) for e in entries
         ):
             comm = self.procfs.comm(self.pid)
-            raise NotTracked(f"pid {self.pid} ({comm}) is not a PyTorch process: no libc10 in /proc/{self.pid}/maps")
+            raise NotTracked(
+                f"pid {self.pid} ({comm}) is not a PyTorch process: no libc10 in /proc/{self.pid}/maps"
+            )
         self._start_ticks = self.procfs.start_time_ticks(self.pid)
         return entries
 
     def plan(self, entries: list[MapEntry]) -> list[Probe]:
-        """Resolves every probe of the profiles; fills self.resolved / self.skipped. Returns the loadable ones."""
+        """Resolves the profiles' probes into self.resolved / self.skipped; returns the loadable ones."""
         paths = mapped_libraries(entries)
         loadable = []
         for probe in probes_of(self.options.profiles):
@@ -178,7 +182,9 @@ class AttachSession:
 
     def _nothing_message(self) -> str:
         reasons = "; ".join(f"{s.probe.name}: {s.reason}" for s in self.skipped[:4])
-        return f"no probe of profile(s) {','.join(self.options.profiles)} attached to pid {self.pid} ({reasons})"
+        return (
+            f"no probe of profile(s) {','.join(self.options.profiles)} attached to pid {self.pid} ({reasons})"
+        )
 
     # ---- running ----------------------------------------------------------------------------------------
     def target_alive(self) -> bool:
@@ -218,7 +224,9 @@ class AttachSession:
             self.program.set_target(self.pid, address)
         if any(p.name == "ioctl" for p in self.attached_probes):
             pattern = self.options.ioctl_paths
-            self.program.set_watched_fds(self.pid, {fd for fd, path in fds.items() if fnmatch.fnmatch(path, pattern)})
+            self.program.set_watched_fds(
+                self.pid, {fd for fd, path in fds.items() if fnmatch.fnmatch(path, pattern)}
+            )
         self._harvest()
 
     def _harvest(self) -> None:

@@ -1,0 +1,147 @@
+"""Writes decoded eBPF events and the exact aggregates to Parquet files (until [store] takes them).
+
+Batches go through a bounded queue to a writer thread, so a slow disk never delays the ring drain:
+when the queue is full the batch is dropped and counted (the user-side drops the status line shows).
+
+Files for `--out PATH` (PATH ends in .parquet):
+  PATH                        the sampled events (columns of records.md: pid, tid, cpu, ts_ns, probe,
+                              kind, step_seq, trace_id, value, duration_ns, sample_ratio)
+  PATH - .parquet + .aggregates.parquet   exact totals: pid, step_seq, probe, count, sum_value,
+                                          sum_duration_ns
+  PATH - .parquet + .summary.json         counters, drops, attached and skipped probes, latencies
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from llmobs.bpf.profiles import PROBES
+from llmobs.bpf.records import KINDS, trace_hex
+
+EVENT_SCHEMA = pa.schema(
+    [
+        ("pid", pa.uint32()),
+        ("tid", pa.uint32()),
+        ("cpu", pa.uint32()),
+        ("ts_ns", pa.uint64()),
+        ("probe", pa.string()),
+        ("kind", pa.string()),
+        ("step_seq", pa.uint64()),
+        ("trace_id", pa.string()),
+        ("value", pa.uint64()),
+        ("duration_ns", pa.uint64()),
+        ("sample_ratio", pa.uint32()),
+    ]
+)
+_PROBE_NAMES = pa.array([probe.name for probe in PROBES], pa.string())
+_KIND_NAMES = pa.array(list(KINDS), pa.string())
+
+
+def companion_paths(out: str | Path) -> tuple[Path, Path, Path]:
+    """(events, aggregates, summary) paths for --out."""
+    events = Path(out)
+    stem = events.with_suffix("") if events.suffix == ".parquet" else events
+    return events, Path(f"{stem}.aggregates.parquet"), Path(f"{stem}.summary.json")
+
+
+def events_table(events: np.ndarray, sample_ratio: int) -> pa.Table:
+    """Decoded columns of a batch; strings via dictionary decode, not a Python call per event."""
+    probe = pa.DictionaryArray.from_arrays(pa.array(events["probe"].astype(np.int32)), _PROBE_NAMES)
+    kind = pa.DictionaryArray.from_arrays(pa.array(events["kind"].astype(np.int32)), _KIND_NAMES)
+    return pa.table(
+        [
+            pa.array(events["pid"]),
+            pa.array(events["tid"]),
+            pa.array(events["cpu"]),
+            pa.array(events["ts_ns"]),
+            probe.cast(pa.string()),
+            kind.cast(pa.string()),
+            pa.array(events["step_seq"]),
+            pa.array(trace_hex(events["trace_id_hi"], events["trace_id_lo"]), pa.string()),
+            pa.array(events["value"]),
+            pa.array(events["duration_ns"]),
+            pa.array(np.full(len(events), sample_ratio, dtype=np.uint32)),
+        ],
+        schema=EVENT_SCHEMA,
+    )
+
+
+def aggregates_table(totals: dict[tuple[int, int, int], list[int]]) -> pa.Table:
+    rows = sorted(totals.items(), key=lambda item: (item[0][0], item[0][2], item[0][1]))
+    names = [probe.name for probe in PROBES]
+    return pa.table(
+        {
+            "pid": pa.array([key[0] for key, _ in rows], pa.uint32()),
+            "step_seq": pa.array([key[2] for key, _ in rows], pa.uint64()),
+            "probe": pa.array([names[key[1]] for key, _ in rows], pa.string()),
+            "count": pa.array([value[0] for _, value in rows], pa.uint64()),
+            "sum_value": pa.array([value[1] for _, value in rows], pa.uint64()),
+            "sum_duration_ns": pa.array([value[2] for _, value in rows], pa.uint64()),
+        }
+    )
+
+
+class ParquetEventWriter:
+    """A bounded queue and a thread appending event batches to one Parquet file."""
+
+    def __init__(self, path: str | Path, sample_ratio: int, max_batches: int = 256):
+        self.path = Path(path)
+        self.sample_ratio = sample_ratio
+        self.dropped = 0
+        self.written = 0
+        self.error: str | None = None
+        self._queue: queue.Queue = queue.Queue(maxsize=max_batches)
+        self._writer = pq.ParquetWriter(self.path, EVENT_SCHEMA)
+        self._thread = threading.Thread(target=self._run, name="llmobs-parquet", daemon=True)
+        self._thread.start()
+
+    def submit(self, events: np.ndarray) -> None:
+        """Never blocks: a full queue drops the batch and counts it."""
+        if not len(events):
+            return
+        try:
+            self._queue.put_nowait(events)
+        except queue.Full:
+            self.dropped += len(events)
+
+    def _run(self) -> None:
+        pending: list[np.ndarray] = []
+        rows = 0
+        while True:
+            try:
+                batch = self._queue.get(timeout=0.5)
+            except queue.Empty:
+                batch = ...  # idle: flush what we have
+            if isinstance(batch, np.ndarray):
+                pending.append(batch)
+                rows += len(batch)
+            # row groups of >= 64k rows, or whatever is there after 0.5 s idle / at the end
+            if pending and (batch is None or batch is ... or rows >= 65536):
+                self._flush(pending, rows)
+                pending, rows = [], 0
+            if batch is None:
+                return
+
+    def _flush(self, pending: list[np.ndarray], rows: int) -> None:
+        try:
+            self._writer.write_table(events_table(np.concatenate(pending), self.sample_ratio))
+            self.written += rows
+        except Exception as exc:  # a sink never raises into the pipeline; counted instead
+            self.error = str(exc)
+            self.dropped += rows
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        self._writer.close()
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

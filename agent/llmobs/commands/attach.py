@@ -1,0 +1,147 @@
+"""`llmobs-agent attach --pid N`: attach the eBPF probes to a running PyTorch process.
+
+Runs until Ctrl-C, SIGTERM, the end of --duration, or the target's exit; then detaches everything it
+attached and prints a summary (events per probe, per step). Events and exact aggregates go to
+--out FILE (Parquet) until the [store] lands; --db is accepted for the command line it will have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+from llmobs.errors import MissingLibrary
+
+DRAIN_PERIOD_S = 0.02  # the ring is submitted without wake-ups; the agent drains on this period
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pid", type=int, help="the PyTorch process to attach to")
+    parser.add_argument(
+        "--profile",
+        default="cpu,host",
+        help="comma-separated probe profiles: cpu (GEMM), mem (alloc_cpu/free_cpu, opt-in: costly), "
+        "host (off-CPU, page faults, /dev/nvidia* ioctls), cuda (libcuda/libcudart/libnccl). "
+        "Default: cpu,host",
+    )
+    parser.add_argument(
+        "--sample", type=int, default=1, metavar="N", help="export 1 in N events (default 1: all)"
+    )
+    parser.add_argument(
+        "--sample-mode",
+        choices=("trace", "cpu"),
+        default="trace",
+        help="trace: keep a request whole or not at all (hash of the trace id); cpu: per-CPU counter hash",
+    )
+    parser.add_argument("--duration", type=float, metavar="S", help="detach after S seconds")
+    parser.add_argument(
+        "--out", metavar="FILE", help="write sampled events to FILE (.parquet) and aggregates beside it"
+    )
+    parser.add_argument("--db", metavar="PATH", help="DuckDB store (coming with [store]; use --out for now)")
+    parser.add_argument("--ebpf", action="store_true", help="print the BPF C that would be loaded, and exit")
+    parser.add_argument(
+        "--ioctl-paths",
+        default="/dev/nvidia*",
+        metavar="GLOB",
+        help="device files whose ioctls the host profile times (default /dev/nvidia*)",
+    )
+    parser.add_argument("--status-interval", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
+
+
+def run(args: argparse.Namespace) -> int:
+    from llmobs.bpf.profiles import parse_profiles
+
+    try:
+        profiles = parse_profiles(args.profile)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.sample < 1:
+        print("error: --sample must be >= 1", file=sys.stderr)
+        return 2
+    if args.ebpf:
+        return _print_ebpf(args, profiles)
+    if args.pid is None:
+        print("error: --pid is required", file=sys.stderr)
+        return 2
+    return _attach(args, profiles)
+
+
+def _print_ebpf(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
+    from llmobs.bpf.profiles import probes_of
+    from llmobs.bpf.program import assemble
+    from llmobs.bpf.session import AttachSession, Options
+
+    probes = probes_of(profiles)
+    if args.pid is not None:  # what this process would get: only the probes that resolve
+        session = AttachSession(args.pid, Options(profiles=profiles))
+        probes = session.plan(session.check_target())
+        for skipped in session.skipped:
+            print(f"/* skipped {skipped.probe.name}: {skipped.reason} */")
+    print(assemble(probes))
+    return 0
+
+
+def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
+    from llmobs.bpf.session import AttachSession, Options
+
+    try:
+        import bcc  # noqa: F401
+    except ImportError as exc:
+        raise MissingLibrary(f"bcc (python3-bpfcc) is not importable: {exc}") from exc
+    from llmobs.bpf import report
+    from llmobs.bpf.output import ParquetEventWriter, aggregates_table, companion_paths, write_summary
+
+    if args.db:
+        print("note: --db arrives with [store]; events are not stored there yet (use --out)", file=sys.stderr)
+    options = Options(
+        profiles=profiles, sample_n=args.sample, sample_mode=args.sample_mode, ioctl_paths=args.ioctl_paths
+    )
+    session = AttachSession(args.pid, options)
+    stop = {"reason": None}
+
+    def on_signal(signum, _frame):
+        stop["reason"] = signal.Signals(signum).name
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    writer = None
+    try:
+        session.start()
+        report.attached(session)
+        if args.out:
+            writer = ParquetEventWriter(companion_paths(args.out)[0], args.sample)
+        status = report.StatusLine(session, args.status_interval)
+        deadline = time.monotonic() + args.duration if args.duration else None
+        while stop["reason"] is None:
+            events = session.poll()
+            if writer:
+                writer.submit(events)
+            status.add(events)
+            if not session.target_alive():
+                stop["reason"] = "target exited"
+            elif deadline and time.monotonic() >= deadline:
+                stop["reason"] = "duration reached"
+            else:
+                status.maybe_print()
+                time.sleep(DRAIN_PERIOD_S)
+    finally:
+        events, final = session.close()
+        if writer:
+            writer.submit(events)
+            writer.close()
+            session.stats.user_drops += writer.dropped
+            final["counters"]["user_drops"] = session.stats.user_drops
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    status.finish()
+    summary = report.summary(session, final, stop["reason"] or "stopped", status)
+    report.print_summary(summary, sys.stderr)
+    if args.out:
+        _events_path, aggregates_path, summary_path = companion_paths(args.out)
+        import pyarrow.parquet as pq
+
+        pq.write_table(aggregates_table(final["totals"]), aggregates_path)
+        write_summary(summary_path, summary)
+    return 0
