@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("llmobs.commands.doctor", "show what this host can do (privileges, eBPF, GPU)"),
     "inspect": ("llmobs.commands.inspect", "print the header, counters and last steps of a process's map"),
     "attach": ("llmobs.commands.attach", "attach eBPF probes to a running PyTorch process"),
+    "query": ("llmobs.commands.query", "SQL or a canned view (slowest steps, probes, tenants) over the store"),
+    "export": ("llmobs.commands.export", "export the store to Parquet (one file per table) or a Perfetto trace"),
 }
 
 
