@@ -13,7 +13,7 @@ import platform
 import sys
 
 from llmobs.errors import ExitCode
-from llmobs.hostcheck import CPU_PROFILE_CHECKS, Row, Status, cpu_profile_ok, run_checks
+from llmobs.hostcheck import GPU_CHECKS, Row, Status, cpu_profile_ok, run_checks
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,8 @@ def render_table(rows: list[Row]) -> str:
         if row.status is not Status.OK and row.hint:
             lines.append(f"{'':<{title_width}}  {'':<{status_width}}  -> {row.hint}")
     lines.append("")
-    lines.append(f"* needed by the CPU probe profile ({', '.join(CPU_PROFILE_CHECKS)})")
+    required = ", ".join(row.title for row in rows if row.required)
+    lines.append(f"* needed by the CPU probe profile ({required})")
     lines.append(verdict(rows))
     return "\n".join(lines)
 
@@ -50,9 +51,6 @@ def verdict(rows: list[Row]) -> str:
         return f"verdict: the CPU probe profile can run on this host{gpu}"
     missing = [row.title for row in rows if row.required and row.status is Status.MISSING]
     return f"verdict: this host cannot run the agent's CPU probe profile (missing: {', '.join(missing)})"
-
-
-GPU_CHECKS = ("libcuda", "cuda_driver", "nvml", "cupti")
 
 
 def run(args: argparse.Namespace) -> int:

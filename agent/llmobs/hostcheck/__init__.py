@@ -5,10 +5,11 @@
 """
 
 from llmobs.hostcheck.model import Check, Context, Row, Status
-from llmobs.hostcheck.runner import CPU_PROFILE_CHECKS, cpu_profile_ok, default_checks, run_checks
+from llmobs.hostcheck.runner import CPU_PROFILE_CHECKS, GPU_CHECKS, cpu_profile_ok, default_checks, run_checks
 
 __all__ = [
     "CPU_PROFILE_CHECKS",
+    "GPU_CHECKS",
     "Check",
     "Context",
     "Row",

@@ -16,6 +16,8 @@ from llmobs.hostcheck.model import Check, Context, Finding, Row, Status
 
 # What the agent needs for its CPU probe profile; `doctor` exits non-zero unless all of these work.
 CPU_PROFILE_CHECKS = ("privileges", "bcc", "uprobe", "tracepoint", "ringbuf")
+# What the cuda probe profile, NVML sampling and CUPTI need; optional for the agent as a whole.
+GPU_CHECKS = ("libcuda", "cuda_driver", "nvml", "cupti")
 
 
 def default_checks() -> list[Check]:
