@@ -10,7 +10,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
-APT_PACKAGES=(python3-bpfcc bpfcc-tools bpftool linux-headers-amd64 libpython3.11 python3-venv gcc)
+APT_PACKAGES=(python3-bpfcc bpfcc-tools bpftool linux-headers-amd64 libpython3.11 python3-venv gcc libc6-dev)
 
 say() { printf '[setup] %s\n' "$*"; }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
