@@ -1,0 +1,86 @@
+"""`llmobs-agent export`: the store as Parquet files (one per table) or as a Perfetto (Chrome JSON) trace."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import duckdb
+
+from llmobs.errors import StoreError
+from llmobs.store import default_db_path, schema
+from llmobs.store.perfetto import write_perfetto
+from llmobs.store.sink import DuckDBStore
+
+EXAMPLES = """examples:
+  llmobs-agent export --db /var/lib/llmobs/llmobs.duckdb --parquet /tmp/llmobs-parquet
+  llmobs-agent export --perfetto /tmp/trace.json --since 1200000000000 --until 1260000000000
+  (open the trace at https://ui.perfetto.dev; times are CLOCK_MONOTONIC ns, as stored)
+"""
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
+    parser.add_argument("--db", help=f"the store (default: $LLMOBS_DB or {default_db_path()})")
+    parser.add_argument("--parquet", metavar="DIR", help="write one Parquet file per table into DIR")
+    parser.add_argument("--perfetto", metavar="FILE", help="write a Chrome trace-event JSON for Perfetto")
+    parser.add_argument("--since", type=int, metavar="NS", help="--perfetto: from this CLOCK_MONOTONIC ns")
+    parser.add_argument("--until", type=int, metavar="NS", help="--perfetto: up to this CLOCK_MONOTONIC ns")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def _progress(quiet: bool):
+    started = time.monotonic()
+
+    def report(what: str, count: int) -> None:
+        if not quiet:
+            print(f"  {what}: {count:,} ({time.monotonic() - started:.1f} s)", file=sys.stderr)
+
+    return report
+
+
+def export_parquet(conn: duckdb.DuckDBPyConnection, directory: Path, report) -> dict[str, int]:
+    """COPY every table of the schema to DIR/<table>.parquet; returns rows per table."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create {directory}: {exc.strerror}") from None
+    tables = ["schema_migrations", *schema.TIME_COLUMN]
+    present = {r[0] for r in conn.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    rows = {}
+    for index, table in enumerate(t for t in tables if t in present):
+        target = directory / f"{table}.parquet"
+        rows[table] = conn.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
+        conn.execute(f"COPY {table} TO '{target}' (FORMAT parquet, COMPRESSION zstd)")
+        report(f"[{index + 1}/{len(present & set(tables))}] {table} -> {target}", rows[table])
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.parquet and not args.perfetto:
+        raise StoreError("nothing to export", hint="give --parquet DIR and/or --perfetto FILE")
+    if (args.since is not None or args.until is not None) and not args.perfetto:
+        raise StoreError("--since/--until apply to --perfetto only")
+    if args.since is not None and args.until is not None and args.until < args.since:
+        raise StoreError(f"--until {args.until} is before --since {args.since}")
+    report = _progress(args.quiet)
+    with DuckDBStore(args.db or default_db_path(), read_only=True) as store:
+        try:
+            if args.parquet:
+                rows = export_parquet(store.connection, Path(args.parquet), report)
+                print(f"wrote {len(rows)} Parquet files ({sum(rows.values()):,} rows) to {args.parquet}")
+            if args.perfetto:
+                stats = write_perfetto(store.connection, args.perfetto, args.since, args.until, report)
+                print(
+                    f"wrote {args.perfetto}: {stats.token_steps:,} token steps on {stats.tracks['requests']}"
+                    f" request tracks, {stats.probe_events:,} probe events on {stats.tracks['probes']} probe"
+                    f" tracks, {stats.off_cpu_intervals:,} off-CPU intervals; open it at https://ui.perfetto.dev"
+                )
+        except duckdb.Error as exc:
+            raise StoreError(f"export failed: {str(exc).strip().splitlines()[0]}") from None
+        except OSError as exc:
+            raise StoreError(f"export failed: {exc.strerror}: {exc.filename}") from None
+    return 0

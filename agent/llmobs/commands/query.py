@@ -1,0 +1,71 @@
+"""`llmobs-agent query`: SQL, or a canned view, over the agent's DuckDB store; table, CSV or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import duckdb
+
+from llmobs.errors import StoreError
+from llmobs.store import default_db_path, views
+from llmobs.store.render import RENDERERS
+from llmobs.store.sink import DuckDBStore
+
+EXAMPLES = """examples:
+  llmobs-agent query --slowest-steps -n 10 --tenant acme
+  llmobs-agent query --by-tenant --format csv
+  llmobs-agent query "SELECT tenant, count(*) FROM token_steps GROUP BY tenant"
+"""
+USAGE_HINT = "llmobs-agent query --help lists the canned views; SQL goes in one quoted argument"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = EXAMPLES
+    parser.add_argument("sql", nargs="?", help="a SQL query over the store's tables (docs/store-schema.md)")
+    parser.add_argument("--db", help=f"the store (default: $LLMOBS_DB or {default_db_path()})")
+    parser.add_argument("--format", choices=sorted(RENDERERS), default="table", help="output format")
+    views_group = parser.add_mutually_exclusive_group()
+    views_group.add_argument("--slowest-steps", action="store_true", help="token steps by decode latency")
+    views_group.add_argument("--top-probes", action="store_true", help="probes by count (exact where kept)")
+    views_group.add_argument("--by-tenant", action="store_true", help="tokens, latency p50/p99, concurrency")
+    views_group.add_argument("--by-session", action="store_true", help="the same per (tenant, session)")
+    parser.add_argument("-n", "--limit", type=int, default=20, help="rows for --slowest-steps/--top-probes")
+    parser.add_argument("--tenant", help="only this tenant (canned views)")
+    parser.add_argument("--session", help="only this session (canned views)")
+
+
+def _statement(args: argparse.Namespace) -> tuple[str, dict | None]:
+    if args.slowest_steps:
+        return views.slowest_steps(args.limit, args.tenant, args.session)
+    if args.top_probes:
+        return views.top_probes(args.limit)
+    if args.by_tenant:
+        return views.by_tenant(args.tenant)
+    if args.by_session:
+        return views.by_session(args.tenant, args.session)
+    if args.sql:
+        return args.sql, None
+    raise StoreError("nothing to run: give SQL or a canned view", hint=USAGE_HINT)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.sql and (args.slowest_steps or args.top_probes or args.by_tenant or args.by_session):
+        raise StoreError("give either SQL or a canned view, not both", hint=USAGE_HINT)
+    if args.limit <= 0:
+        raise StoreError("-n must be at least 1", hint=USAGE_HINT)
+    sql, params = _statement(args)
+    with DuckDBStore(args.db or default_db_path(), read_only=True) as store:
+        try:
+            result = (
+                store.connection.execute(sql, params) if params is not None else store.connection.execute(sql)
+            )
+            columns = [d[0] for d in result.description or []]
+            rows = result.fetchall() if columns else []
+        except duckdb.Error as exc:
+            raise StoreError(
+                f"query failed: {str(exc).strip().splitlines()[0]}", hint="see docs/store-schema.md"
+            ) from None
+    sys.stdout.write(RENDERERS[args.format](columns, rows))
+    return 0
