@@ -8,6 +8,7 @@ The target is a small C program compiled here; the test drives it over pipes (se
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import shutil
 import subprocess
@@ -160,7 +161,10 @@ def our_perf_uprobes(binary: Path) -> list[dict]:
     return [
         entry
         for entry in bpftool_json("perf")
-        if entry.get("fd_type") == "uprobe" and binary.name in entry.get("filename", "")
+        if entry.get("pid") == os.getpid()
+        and entry.get("fd_type") == "uprobe"
+        # bcc names the file through /proc/PID/root/... when it attaches for one pid.
+        and entry.get("filename", "").endswith(str(binary))
     ]
 
 
@@ -168,7 +172,7 @@ def uprobe_events_mentioning(binary: Path) -> list[str]:
     events = Path("/sys/kernel/tracing/uprobe_events")
     if not events.exists():
         events = Path("/sys/kernel/debug/tracing/uprobe_events")
-    return [line for line in events.read_text().splitlines() if binary.name in line]
+    return [line for line in events.read_text().splitlines() if str(binary) in line]
 
 
 def links_of(prog_ids: set[int]) -> list[dict]:

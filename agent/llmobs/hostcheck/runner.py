@@ -45,8 +45,12 @@ def _stderr_to_file() -> Iterator[list[str]]:
     """Sends file descriptor 2 to a temporary file for the block (bcc and libbpf write straight to
     it from C); the block's output is in the yielded list afterwards."""
     captured: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # stderr closed (`2>&-`) or replaced: nothing to capture
+        yield captured
+        return
     with tempfile.TemporaryFile() as sink:
         os.dup2(sink.fileno(), 2)
         try:
