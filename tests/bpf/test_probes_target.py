@@ -10,6 +10,8 @@ command from stdin, runs a phase whose calls are known by construction:
 ALLOCS torch.empty(NBYTES, uint8) tensors (one c10::alloc_cpu each, freed at the end of the step by
 one free_cpu each), GEMMS F.linear calls (one sgemm_ each), IOCTLS ioctl(2) calls on /dev/null.
 It prints "ready <cell address>" once set up.
+
+The tests import `Target` (drives this script) and `leftovers` (what probes remain in the kernel).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import fcntl
+import json
 import mmap
 import os
+import select
 import struct
+import subprocess
 import sys
 import termios
 
@@ -51,6 +56,88 @@ class ContextCell:
     def remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+class Target:
+    """This script as a child process, driven line by line with bounded waits (no sleeps)."""
+
+    def __init__(self, *args: str, timeout: float = 60.0):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        self.pid = self.proc.pid
+        self._buffer = b""
+        ready = self.readline(timeout)
+        assert ready.startswith("ready "), ready
+        self.cell_address = int(ready.split()[1])
+
+    def readline(self, timeout: float = 30.0) -> str:
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            readable, _, _ = select.select([fd], [], [], timeout)
+            if not readable:
+                raise TimeoutError(f"target {self.pid} said nothing for {timeout} s")
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise EOFError(f"target {self.pid} exited")
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
+
+    def step(self, step_seq: int, trace_hex: str, allocs=0, nbytes=64, gemms=0, ioctls=0) -> None:
+        """One token step with exactly these calls; returns once the target has done them."""
+        self.proc.stdin.write(f"step {step_seq} {trace_hex} {allocs} {nbytes} {gemms} {ioctls}\n".encode())
+        self.proc.stdin.flush()
+        assert self.readline() == "done"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(b"exit\n")
+                self.proc.stdin.flush()
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> Target:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+LINEAR_OUTPUT_BYTES = 4 * 64 * 4  # F.linear(x[4,64], w[64,64]) allocates one float32 [4,64] output
+GEMM_FLOPS = 2 * 64 * 4 * 64  # and calls sgemm_ with m=64, n=4, k=64
+OUR_PROGRAM_PREFIXES = ("uprobe__", "uretprobe__", "tracepoint_s", "tracepoint_p")
+
+
+def _bpftool(*args: str) -> str:
+    return subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout
+
+
+def leftovers(agent_pid: int | None = None, target_pid: int | None = None) -> dict[str, list]:
+    """What llmobs probes are still in the kernel: perf-event uprobes/tracepoints held by the agent
+    pid or placed on the target's libraries, tracefs uprobe_events lines, our programs by name."""
+    perf = json.loads(
+        subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True).stdout or "[]"
+    )
+    held = [
+        entry
+        for entry in perf
+        if entry.get("pid") == agent_pid
+        or (target_pid is not None and f"/proc/{target_pid}/" in entry.get("filename", ""))
+    ]
+    progs = json.loads(
+        subprocess.run(["bpftool", "-j", "prog", "list"], capture_output=True, text=True).stdout
+    )
+    ours = [p["name"] for p in progs if p.get("name", "").startswith(OUR_PROGRAM_PREFIXES)]
+    with open("/sys/kernel/tracing/uprobe_events") as handle:
+        uprobe_events = [line for line in handle.read().splitlines() if line.strip()]
+    return {"perf": held, "programs": ours, "uprobe_events": uprobe_events}
 
 
 def main() -> int:

@@ -93,32 +93,32 @@ class ProbeProgram:
         self.ring_bytes = ring_bytes
         self.agg_entries = agg_entries
         self.source = assemble(probes, ring_bytes, agg_entries)
-        self.bpf = BPF(text=self.source, cflags=[f"-I{BPF_DIR}", "-Wno-macro-redefined"])
+        self.bpf = BPF(text=self.source.encode(), cflags=[f"-I{BPF_DIR}"])
         from bcc.libbcc import lib
 
         self.lib = lib
 
     # ---- maps -------------------------------------------------------------------------------------------
     def map_fd(self, name: str) -> int:
-        return self.bpf[name].map_fd
+        return self.bpf[name.encode()].map_fd
 
     def set_sampling(self, sample_n: int, mode: str) -> None:
-        config = self.bpf["llmobs_config"]
+        config = self.bpf[b"llmobs_config"]
         config[ct.c_int(0)] = ct.c_uint64(max(sample_n, 1))
         config[ct.c_int(1)] = ct.c_uint64(SAMPLE_MODES[mode])
 
     def set_target(self, pid: int, cell_address: int) -> None:
-        self.bpf["llmobs_targets"][ct.c_uint32(pid)] = ct.c_uint64(cell_address)
+        self.bpf[b"llmobs_targets"][ct.c_uint32(pid)] = ct.c_uint64(cell_address)
 
     def remove_target(self, pid: int) -> None:
         with contextlib.suppress(KeyError):
-            del self.bpf["llmobs_targets"][ct.c_uint32(pid)]
+            del self.bpf[b"llmobs_targets"][ct.c_uint32(pid)]
 
     def set_watched_fds(self, pid: int, fds: set[int]) -> None:
         """Replaces the (pid, fd) set the ioctl probe watches."""
         if "sys_ioctl" not in {probe.source for probe in self.probes}:
             return
-        table = self.bpf["llmobs_ioctl_fds"]
+        table = self.bpf[b"llmobs_ioctl_fds"]
         current = {(key.pid, key.fd) for key in table if key.pid == pid}
         wanted = {(pid, fd) for fd in fds}
         for key_pid, fd in current - wanted:
@@ -128,23 +128,23 @@ class ProbeProgram:
 
     def counters(self) -> dict[int, int]:
         """LLMOBS_CTR_* index -> value summed over CPUs."""
-        table = self.bpf["llmobs_counters"]
+        table = self.bpf[b"llmobs_counters"]
         return {index: int(sum(table[ct.c_int(index)])) for index in range(8)}
 
     def reset_maps(self) -> None:
         """Empties every map a previous session filled, so a reused program starts from zero."""
         for name in ("llmobs_aggs", "llmobs_call_start", "llmobs_live_allocs", "llmobs_targets"):
-            self.bpf[name].clear()
+            self.bpf[name.encode()].clear()
         for name in ("llmobs_offcpu_start", "llmobs_ioctl_fds"):
-            if name.encode() in self.bpf.tables or self._has_table(name):
-                self.bpf[name].clear()
-        counters = self.bpf["llmobs_counters"]
+            if self._has_table(name):  # only in the unit when its program file is
+                self.bpf[name.encode()].clear()
+        counters = self.bpf[b"llmobs_counters"]
         for index in range(8):
             counters[ct.c_int(index)] = counters.Leaf(*([0] * len(counters[ct.c_int(index)])))
 
     def _has_table(self, name: str) -> bool:
         try:
-            self.bpf[name]
+            self.bpf[name.encode()]
         except KeyError:
             return False
         return True
@@ -154,20 +154,21 @@ class ProbeProgram:
         """Entry probe (and return probe for timed probes) at the chosen placement, for this pid only."""
         before = set(self.bpf.uprobe_fds)
         name = resolved.probe.name
+        path = resolved.path.encode()
         try:
             self.bpf.attach_uprobe(
-                name=resolved.path, addr=resolved.address, fn_name=f"uprobe__{name}", pid=pid
+                name=path, addr=resolved.address, fn_name=f"uprobe__{name}".encode(), pid=pid
             )
             if resolved.probe.timed:
                 self.bpf.attach_uretprobe(
-                    name=resolved.path, addr=resolved.address, fn_name=f"uretprobe__{name}", pid=pid
+                    name=path, addr=resolved.address, fn_name=f"uretprobe__{name}".encode(), pid=pid
                 )
         finally:
             attached.uprobe_events.extend(set(self.bpf.uprobe_fds) - before)
 
     def attach_tracepoints(self, probe: Probe, attached: Attached) -> None:
         for tracepoint, fn_name in probe.tracepoints:
-            self.bpf.attach_tracepoint(tp=tracepoint, fn_name=fn_name)
+            self.bpf.attach_tracepoint(tp=tracepoint.encode(), fn_name=fn_name.encode())
             attached.tracepoints.append(tracepoint.encode())
 
     def detach(self, attached: Attached) -> list[str]:
