@@ -116,7 +116,7 @@ def _prerequisites(ctx: Context) -> Finding | None:
     return None
 
 
-def _compiles_without_loading(ctx: Context, blocked: Finding) -> Finding:
+def _compiles_without_loading(blocked: Finding) -> Finding:
     """Unprivileged: say whether bcc and clang work at all (a mapless program compiles without
     touching the kernel); the row stays MISSING, since nothing can be loaded."""
     reason = blocked.detail.removeprefix("not tried: ")
@@ -140,7 +140,7 @@ def _compiles_without_loading(ctx: Context, blocked: Finding) -> Finding:
 def check_bcc(ctx: Context) -> Finding:
     blocked = _prerequisites(ctx)
     if blocked is not None:
-        return _compiles_without_loading(ctx, blocked) if ctx.live else blocked
+        return _compiles_without_loading(blocked) if ctx.live else blocked
     try:
         bcc = _import_bcc()
     except ImportError as exc:
