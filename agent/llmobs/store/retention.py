@@ -108,30 +108,35 @@ def _catalog_name(conn) -> str:
     return conn.execute("SELECT current_database()").fetchall()[0][0]
 
 
-def retain_size(store: DuckDBStore, max_bytes: int, max_rounds: int = 12) -> RetentionReport:
-    """Delete the oldest rows until the store's file (and WAL) is at most `max_bytes`."""
+def _timeline_rows(store: DuckDBStore) -> int:
+    counts = " + ".join(f"(SELECT count(*) FROM {table})" for table in _TIMELINE_TABLES)
+    with store._lock:
+        return int(store.connection.execute(f"SELECT {counts}").fetchall()[0][0])
+
+
+def retain_size(store: DuckDBStore, max_bytes: int, max_rounds: int = 8) -> RetentionReport:
+    """Delete the oldest rows until the store's file (and WAL) is at most `max_bytes`.
+
+    Deleted rows free DuckDB blocks only when whole row groups go, so each round estimates bytes per
+    row, deletes the oldest share that should leave ~85% of the limit, and compacts the file.
+    """
     report = RetentionReport(size_before=store_file_size(store.path))
     store.checkpoint()
     for _ in range(max_rounds):
-        size = store_file_size(store.path)
-        if size <= max_bytes:
+        if store_file_size(store.path) <= max_bytes:
             break
         used = _used_bytes(store)
-        if used <= 0.9 * max_bytes:  # the live data fits; the file is mostly freed blocks
-            compact(store)
-            report.compacted = True
-            continue
-        # Remove the oldest share of rows that should bring the live data to ~90% of the limit.
-        fraction = min(0.5, max(0.05, 1.0 - 0.9 * max_bytes / used))
-        cutoff = _time_quantile(store, fraction)
-        if cutoff is None:  # nothing time-keyed left to delete
-            compact(store)
-            report.compacted = True
-            break
-        deleted = delete_before(store, cutoff + 1)
-        for table, count in deleted.items():
-            report.deleted[table] = report.deleted.get(table, 0) + count
-        report.cutoff_ns = cutoff + 1
-        store.checkpoint()
+        rows = _timeline_rows(store)
+        if used > 0.9 * max_bytes and rows > 0:
+            keep_rows = 0.85 * max_bytes / (used / rows)
+            fraction = min(0.95, max(0.05, 1.0 - keep_rows / rows))
+            cutoff = _time_quantile(store, fraction)
+            if cutoff is not None:
+                deleted = delete_before(store, cutoff + 1)
+                for table, count in deleted.items():
+                    report.deleted[table] = report.deleted.get(table, 0) + count
+                report.cutoff_ns = cutoff + 1
+        compact(store)  # DuckDB does not give freed blocks back to the file system by itself
+        report.compacted = True
     report.size_after = store_file_size(store.path)
     return report
