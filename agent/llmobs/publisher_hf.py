@@ -202,7 +202,9 @@ def instrument(model, tokenizer=None, *, model_id: str | None = None, labels: bo
         model_id = getattr(config, "_name_or_path", "") or getattr(tokenizer, "name_or_path", "") or ""
         model_id = model_id or type(model).__name__
     from llmobs.shm.otel_ctx import publish_process_context
+    from llmobs.shm.writer import get_writer
 
+    get_writer().set_model(model_id)  # the map exists from now on: an agent can attach before any token
     inst = Instrumented(model, model_id, labels)
     publish_process_context(model_id=model_id)
     return inst

@@ -139,10 +139,11 @@ class ShmWriter:
         hdr["cupti_offset"] = regions.cupti_offset
         hdr["cupti_capacity"] = self.cupti_capacity
         hdr["cupti_record_size"] = layout.CUPTI_RECORD.size
-        hdr["model_hash"] = self.name(layout.NAME_MODEL, model_id) if model_id else 0
         raw = hdr.tobytes()
         self.mm[8 : layout.HEADER.size] = raw[8:]
         _U64.pack_into(self.mm, 0, layout.MAGIC)  # last: a reader never sees a half-written header
+        if model_id:
+            self.set_model(model_id)
 
     def close(self, unlink: bool = True) -> None:
         """Commit what the device has finished, mark the map closed and remove the file."""
@@ -156,6 +157,10 @@ class ShmWriter:
             if unlink:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
+
+    def set_model(self, model_id: str | None) -> None:
+        """The process's default model id, shown by `inspect` before any step."""
+        _U64.pack_into(self.mm, _H["model_hash"], self.name(layout.NAME_MODEL, model_id))
 
     # --- names ------------------------------------------------------------------------------------
     def name(self, kind: int, text: str | None) -> int:
