@@ -261,6 +261,8 @@ class AttachSession:
         problems = self.program.detach(self.attached) if self.program else []
         events = self._ring.drain() if self._ring else np.empty(0)
         self.stats.sampled += len(events)
+        if len(events) and self.stats.first_event_after_s is None:
+            self.stats.first_event_after_s = time.monotonic() - self.stats.started_at
         final = {"problems": problems, "totals": {}, "counters": {}}
         if self.program is not None and self._ring is not None:
             final["totals"] = self.live_totals()
