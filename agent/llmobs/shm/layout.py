@@ -6,6 +6,7 @@ header bpf/llmobs_abi.h (llmobs.shm.cheader). Change a field here, bump ABI_VERS
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -88,7 +89,7 @@ class Struct:
         if pos > self.size:
             raise ValueError(f"{self.c_name} needs {pos} bytes, declared {self.size}")
 
-    @property
+    @functools.cached_property
     def dtype(self) -> np.dtype:
         names, formats, offsets = [], [], []
         for f in self.fields:

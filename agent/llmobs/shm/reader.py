@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,12 @@ from llmobs.shm import layout
 from llmobs.shm.hashing import trace_hex
 from llmobs.shm.writer import map_path, process_start_ticks
 
+_HEADER_NAMES = [f.name for f in layout.HEADER.fields if f.count == 1]
+# the header's scalar fields are packed without holes, so one struct format reads them all
+_HEADER_STRUCT = struct.Struct(
+    "<" + "".join({"u32": "I", "u64": "Q"}[f.type] for f in layout.HEADER.fields[:-1])
+)
+assert _HEADER_STRUCT.size == layout.HEADER.offsets["reserved"]
 MAX_HEAD = 1 << 62  # a head beyond this cannot come from a real writer (and 2*pos+2 would overflow)
 _KNOWN_FLAGS = (
     layout.FLAG_HAS_TARGET | layout.FLAG_GENERATE | layout.FLAG_TEACHER_FORCED | layout.FLAG_DEVICE_CUDA
@@ -221,19 +228,23 @@ class MapView:
 
         a, b = once(), once()
         recs = np.frombuffer(a, struct.dtype, n)
-        same = (np.frombuffer(a, np.uint8).reshape(n, rec) == np.frombuffer(b, np.uint8).reshape(n, rec)).all(
-            1
-        )
         positions = np.arange(start, end, dtype=np.uint64)
         expected = 2 * positions + 2
-        seq, seq_b = recs["seq"], np.frombuffer(b, struct.dtype, n)["seq"]
-        committed = same & (seq == expected)
-        overwritten = ~committed & ((seq > expected) | (seq_b > expected))
-        in_progress = (
-            ~committed
-            & ~overwritten
-            & ((seq == expected - 1) | (seq_b == expected - 1) | (~same & (seq == expected)))
-        )
+        seq = recs["seq"]
+        if a == b:  # the common case: nothing changed between the two reads
+            committed = seq == expected
+            if committed.all():
+                return RingRead(recs.copy(), positions, end, lost, 0)
+            overwritten = ~committed & (seq > expected)
+            in_progress = ~committed & ~overwritten & (seq == expected - 1)
+        else:
+            rows_a = np.frombuffer(a, np.uint8).reshape(n, rec)
+            same = (rows_a == np.frombuffer(b, np.uint8).reshape(n, rec)).all(1)
+            seq_b = np.frombuffer(b, struct.dtype, n)["seq"]
+            committed = same & (seq == expected)
+            overwritten = ~committed & ((seq > expected) | (seq_b > expected))
+            torn_now = (seq == expected - 1) | (seq_b == expected - 1) | (~same & (seq == expected))
+            in_progress = ~committed & ~overwritten & torn_now
         next_cursor = end
         if in_progress.any():  # stop at the first record still being written; retry it next time
             stop = int(np.argmax(in_progress))
@@ -280,7 +291,9 @@ class MapView:
         recs = got.records
         ok = (
             (recs["step_seq"] >= 1)
+            & (recs["step_seq"] < np.uint64(1 << 63))
             & (recs["t_end_ns"] >= recs["t_start_ns"])
+            & (recs["t_end_ns"] < np.uint64(1 << 63))  # CLOCK_MONOTONIC ns fit an int64
             & (recs["batch_row"] >= 0)
             & (recs["kv_len"] >= -1)
             & (recs["target_id"] >= -1)
@@ -295,7 +308,9 @@ class MapView:
     def decode_steps(self, recs: np.ndarray) -> dict[str, list | np.ndarray]:
         pid = self.header["writer_pid"]
         n = len(recs)
-        hi, lo = recs["trace_id_hi"].tolist(), recs["trace_id_lo"].tolist()
+        words = np.empty((n, 2), ">u8")  # big-endian words: their bytes are the trace id
+        words[:, 0], words[:, 1] = recs["trace_id_hi"], recs["trace_id_lo"]
+        hexes = words.tobytes().hex()
         t_start = recs["t_start_ns"].astype(np.int64)
         t_end = recs["t_end_ns"].astype(np.int64)
         names = {}
@@ -304,7 +319,7 @@ class MapView:
         return {
             "pid": np.full(n, pid, np.int64),
             "step_seq": recs["step_seq"].astype(np.int64),
-            "trace_id": [trace_hex(a, b) for a, b in zip(hi, lo, strict=True)],
+            "trace_id": [hexes[32 * i : 32 * i + 32] for i in range(n)],
             "step": recs["step"].astype(np.int64),
             "position": recs["position"].astype(np.int64),
             "token_id": recs["token_id"].astype(np.int64),
