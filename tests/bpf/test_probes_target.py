@@ -1,8 +1,8 @@
 """The target process of the bpf tests (run as a script; holds no tests itself).
 
-A real PyTorch process that publishes a context cell the way the workload's writer does (one mmap of
-/dev/shm/llmobs.<pid> from offset 0, the cell at LLMOBS_CTX_OFFSET, seqlock-protected) and, on
-command from stdin, runs a phase whose calls are known by construction:
+A real PyTorch process that publishes its context cell through the workload's own map writer
+(llmobs.shm.writer: /dev/shm/llmobs.<pid>, the cell at LLMOBS_CTX_OFFSET) and, on command from
+stdin, runs a phase whose calls are known by construction (STEP_SEQ must count 1, 2, ...):
 
     step STEP_SEQ TRACE_HEX ALLOCS NBYTES GEMMS IOCTLS  -> "done"   (one token step's work)
     exit                                                -> exits 0
@@ -20,7 +20,6 @@ import contextlib
 import ctypes
 import fcntl
 import json
-import mmap
 import os
 import select
 import struct
@@ -28,34 +27,24 @@ import subprocess
 import sys
 import termios
 
-CTX_OFFSET = 256
-MAP_BYTES = 64 * 1024
-
 
 class ContextCell:
-    """seq, trace_id_hi, trace_id_lo, step_seq at CTX_OFFSET of one whole-file mapping."""
+    """The workload's map, made by the real writer (llmobs.shm.writer); begin_step sets the cell."""
 
     def __init__(self):
-        self.path = f"/dev/shm/llmobs.{os.getpid()}"
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.ftruncate(fd, MAP_BYTES)
-        self.map = mmap.mmap(fd, MAP_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
-        self.seq = 0
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map)) + CTX_OFFSET
+        from llmobs.shm import layout
+        from llmobs.shm.writer import ShmWriter
+
+        self.writer = ShmWriter()
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.writer.mm)) + layout.CTX_OFFSET
 
     def write(self, trace_hex: str, step_seq: int) -> None:
-        raw = bytes.fromhex(trace_hex)
-        hi, lo = struct.unpack(">QQ", raw)
-        self.seq += 1  # odd: update in progress
-        struct.pack_into("<Q", self.map, CTX_OFFSET, self.seq)
-        struct.pack_into("<QQQ", self.map, CTX_OFFSET + 8, hi, lo, step_seq)
-        self.seq += 1
-        struct.pack_into("<Q", self.map, CTX_OFFSET, self.seq)
+        hi, lo = struct.unpack(">QQ", bytes.fromhex(trace_hex))
+        published = self.writer.begin_step(hi, lo, 0, 0)
+        assert published == step_seq, f"the writer numbers steps 1, 2, ...: asked {step_seq}, got {published}"
 
     def remove(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self.writer.close()
 
 
 class Target:
