@@ -1,4 +1,5 @@
-"""Test tiers: `unit` (no privileges), `bpf` (root + the real kernel), `gpu` (real CUDA).
+"""Test tiers: `unit` (no privileges), `bpf` (root + the real kernel), `gpu` (real CUDA), `e2e` (real
+processes and a real OTLP collector on loopback, no privileges).
 
 Locally a bpf test skips when we are not root. With CI=true a skipped or failed bpf test fails the
 whole run: CI must exercise the real kernel, and a silently skipped tier would look like a pass.
@@ -17,7 +18,7 @@ _bpf_passed: list[str] = []
 
 def _tier_of(item: pytest.Item) -> str:
     path = str(item.path)
-    for tier in ("bpf", "gpu", "unit"):
+    for tier in ("bpf", "gpu", "e2e", "unit"):
         if f"{os.sep}tests{os.sep}{tier}{os.sep}" in path:
             return tier
     return "unit"
