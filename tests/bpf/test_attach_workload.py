@@ -1,0 +1,95 @@
+"""`attach` on the project's demo workload (scripts/workload.py --model tiny, a real GPT-2 generating
+tokens through the real map writer): every event carries the (trace, step) the map records for that
+step, the exact totals cover every token step, and `--sample` keeps traces whole. (The statistical
+1/N bound over many random traces is in test_probes.py: this workload has only 4 distinct traces.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from llmobs.bpf.records import trace_kept
+from llmobs.shm.reader import ShmReader
+from test_attach import Agent, _assert_clean
+from test_probes_target import leftovers
+
+WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
+REQUESTS, TOKENS, SAMPLE = 24, 4, 2  # the workload's 4 prompts -> 4 trace ids (hash of the input ids)
+
+
+def _read_json_line(fd: int, timeout: float = 60.0) -> dict:
+    data = b""
+    while not data.endswith(b"\n"):
+        readable, _, _ = select.select([fd], [], [], timeout)
+        assert readable, "the workload did not report within the timeout"
+        chunk = os.read(fd, 4096)
+        assert chunk, "the workload exited early"
+        data += chunk
+    return json.loads(data.decode().splitlines()[-1])
+
+
+def test_tags_match_the_map_and_sampling_keeps_requests_whole(tmp_path):
+    out = tmp_path / "w.parquet"
+    before = leftovers()
+    ready_r, ready_w = os.pipe()
+    workload = subprocess.Popen(
+        [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens",
+         str(TOKENS), "--threads", "1", "--wait-stdin", "--hold", "--ready-fd", str(ready_w)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,),
+    )  # fmt: skip
+    os.close(ready_w)
+    try:
+        assert _read_json_line(ready_r)["phase"] == "ready"
+        agent = Agent(
+            "--pid", str(workload.pid), "--profile", "cpu,host", "--sample", str(SAMPLE), "--out", str(out)
+        )
+        agent.wait_for("attached in")
+        workload.stdin.write(b"go\n")
+        workload.stdin.flush()
+        assert _read_json_line(ready_r)["phase"] == "done"
+        with ShmReader(workload.pid) as reader:  # what the map says each token step was
+            steps = reader.read_steps().rows()
+        agent.proc.send_signal(signal.SIGINT)
+        code, text = agent.finish()
+        assert code == 0, text
+        _assert_clean(agent.pid, workload.pid, before)
+    finally:
+        workload.stdin.write(b"bye\n")
+        workload.stdin.flush()
+        workload.wait(timeout=30)
+        os.close(ready_r)
+    trace_of = {row["step_seq"]: row["trace_id"] for row in steps}
+    position = {row["step_seq"]: row["step"] for row in steps}
+    assert len(trace_of) == REQUESTS * TOKENS
+    events = pq.read_table(out).to_pylist()
+    aggregates = pq.read_table(out.with_suffix(".aggregates.parquet")).to_pylist()
+    gemms = {row["step_seq"]: row["count"] for row in aggregates if row["probe"] == "sgemm"}
+    # exact totals: every token step of every request did its GEMMs, sampled or not; the trace id is
+    # the hash of the prompt, so the same prompt at the same token index repeats the same GEMM calls
+    assert set(trace_of) <= set(gemms)
+    repeats = defaultdict(set)
+    for step_seq, trace in trace_of.items():
+        repeats[(trace, position[step_seq])].add(gemms[step_seq])
+    assert all(len(counts) == 1 for counts in repeats.values()), repeats
+    assert len(repeats) == len({trace for trace, _ in repeats}) * TOKENS
+    # every sampled event is tagged with the trace the map shows for its step
+    tagged = [e for e in events if e["step_seq"]]
+    assert tagged or not any(trace_kept(int(t[:16], 16), int(t[16:], 16), SAMPLE) for t in trace_of.values())
+    assert all(e["trace_id"] == trace_of[e["step_seq"]] for e in tagged if e["step_seq"] in trace_of)
+    assert {e["sample_ratio"] for e in events} == {SAMPLE}
+    # whole traces: all of a trace's GEMMs are sampled or none, exactly as the kernel's hash decides
+    sampled = defaultdict(int)
+    for e in tagged:
+        if e["probe"] == "sgemm":
+            sampled[e["trace_id"]] += 1
+    for trace in set(trace_of.values()):
+        total = sum(gemms[s] for s, t in trace_of.items() if t == trace)
+        keep = trace_kept(int(trace[:16], 16), int(trace[16:], 16), SAMPLE)
+        assert sampled[trace] == (total if keep else 0), (trace, keep)
