@@ -1,0 +1,328 @@
+#!/usr/bin/env python3
+"""Ingest benchmark: ring-shaped raw records -> decoded Arrow -> DuckDB, on one core.
+
+Measures, interleaved round by round so noise from other work on the machine hits every variant alike:
+  decode        raw ring bytes -> EVENT_DTYPE (frombuffer + copy, as RingConsumer.drain) -> Arrow tables
+                (llmobs.store.ingest.EventDecoder); next to it the eBPF layer's records.md decoder
+                (llmobs.bpf.output.events_table: hex trace ids, plain strings) for comparison
+  append        decoded tables -> DuckDBStore.export (one transaction per batch), per batch size
+  end-to-end    raw bytes -> decode -> append, coalescing ring drains into one commit per --commit-rows
+Then a paced run: a producer thread emits one ring drain every 20 ms at --paced-rate events/s into a
+bounded queue (full queue = dropped drain, counted); the consumer decodes, coalesces and commits.
+Finally (unless --no-query) the issue's query target: --slowest-steps for one tenant on a store of
+--query-steps synthetic token steps.
+
+DuckDB runs with threads=1 for the ingest parts ("one core"); everything prints ratios against the
+targets of DESIGN.md (>= 2.4 M events/s end to end, 0 drops at 1 M/s, slowest-steps <= 200 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+from llmobs.bpf.output import events_table
+from llmobs.bpf.profiles import PROBES
+from llmobs.bpf.records import EVENT_DTYPE, RING_RECORD_DTYPE
+from llmobs.store import DuckDBStore, synthetic, views
+from llmobs.store.ingest import EventDecoder
+
+TARGET_EVENTS_PER_S = 2_400_000
+TARGET_QUERY_MS = 200.0
+PROBE_NAMES = [p.name for p in PROBES]
+PROBE_KIND = [("mem", "gpu", "host", "compute").index(p.kind) for p in PROBES]
+# The probes a CPU-only host fires (profiles cpu, mem, host), and every probe (cuda too).
+PROBE_MIXES = {
+    "cpu": [i for i, p in enumerate(PROBES) if p.profile in ("cpu", "mem", "host")],
+    "all": list(range(len(PROBES))),
+}
+
+
+def ring_bytes(n: int, seed: int, mix: str = "cpu", tracked_fraction: float = 0.9) -> bytes:
+    """`n` ring records (8-byte header + 64-byte event) shaped like a CPU-profile drain: mostly
+    alloc/free, some GEMM and host events, a few requests in flight, step_seq advancing with time."""
+    rng = np.random.default_rng(seed)
+    rec = np.zeros(n, dtype=RING_RECORD_DTYPE)
+    rec["len"] = EVENT_DTYPE.itemsize
+    ev = rec["event"]
+    ids = np.array(PROBE_MIXES[mix])
+    weights = np.array([4 if PROBES[i].kind == "mem" else 1 for i in ids], dtype=float)  # allocs dominate
+    probe = rng.choice(ids, size=n, p=weights / weights.sum())
+    ev["probe"] = probe
+    ev["kind"] = np.array(PROBE_KIND)[probe]
+    ev["pid"] = 4242
+    ev["tid"] = 4242 + rng.integers(0, 4, size=n)
+    ev["cpu"] = rng.integers(0, 2, size=n)
+    ts = 10**12 + np.cumsum(rng.integers(200, 600, size=n))
+    ev["ts_ns"] = ts
+    step = (ts - ts[0]) // 20_000_000 + 1
+    tracked = rng.random(n) < tracked_fraction
+    ev["step_seq"] = np.where(tracked, step, 0)
+    request = step // 64
+    ev["trace_id_hi"] = np.where(tracked, (request.astype(np.uint64) + 1) * np.uint64(0x9E3779B97F4A7C15), 0)
+    ev["trace_id_lo"] = np.where(tracked, request + 7, 0).astype(np.uint64)
+    ev["value"] = np.where(ev["kind"] == 0, rng.integers(64, 1 << 20, size=n), 0)
+    ev["duration_ns"] = rng.integers(0, 5000, size=n)
+    ev["flags"] = tracked.astype(np.uint8)
+    return rec.tobytes()
+
+
+def drain(raw: bytes) -> np.ndarray:
+    """What RingConsumer.drain does with ring memory: one frombuffer, one copy of the events."""
+    return np.frombuffer(raw, dtype=RING_RECORD_DTYPE)["event"].copy()
+
+
+def fresh_store(directory: Path, name: str) -> DuckDBStore:
+    path = directory / f"{name}.duckdb"
+    for leftover in (path, Path(f"{path}.wal")):
+        leftover.unlink(missing_ok=True)
+    return DuckDBStore(path, threads=1)
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def fmt_rate(rate: float) -> str:
+    return f"{rate / 1e6:6.2f} M ev/s  ({rate / TARGET_EVENTS_PER_S:5.2f}x target)"
+
+
+def bench_throughput(args, workdir: Path) -> None:
+    decoder = EventDecoder(PROBE_NAMES)
+    count = args.batch_events // args.drain_events
+    drains = [ring_bytes(args.drain_events, seed=i, mix=args.probes) for i in range(count)]
+    total = sum(len(d) for d in drains) // RING_RECORD_DTYPE.itemsize
+    print(
+        f"# throughput: {total:,} events per round in drains of {args.drain_events:,}; {args.rounds} rounds"
+    )
+    results: dict[str, list[float]] = {}
+
+    def record(label: str, seconds: float, events: int) -> None:
+        results.setdefault(label, []).append(events / seconds)
+
+    for round_index in range(args.rounds):
+        # (a) decode only: ours, and the records.md decoder of the eBPF layer, on the same bytes.
+        decoded: list[dict[str, pa.Table]] = []
+        record(
+            "decode raw -> Arrow (store fast path)",
+            timed(lambda: decoded.extend(decoder.decode(drain(d)) for d in drains)),
+            total,
+        )
+        record(
+            "decode raw -> records.md columns (bpf.output)",
+            timed(lambda: [events_table(drain(d), 1) for d in drains]),
+            total,
+        )
+        merged = merge(decoded)
+
+        # (b) append only, per commit size: one ring drain per commit, or coalesced.
+        store = fresh_store(workdir, f"append-drain-{round_index}")
+        record(
+            f"append, commit per drain ({args.drain_events:,})",
+            timed(lambda: [commit(store, d) for d in decoded]),
+            total,
+        )
+        store.close()
+        store = fresh_store(workdir, f"append-big-{round_index}")
+        record(f"append, one commit of {total:,}", timed(lambda: commit(store, merged)), total)
+        store.close()
+
+        # (c) end to end: raw bytes -> decode -> coalesce -> commit every --commit-rows events.
+        store = fresh_store(workdir, f"e2e-{round_index}")
+
+        def end_to_end() -> None:
+            # Each drain is decoded as it comes (its records are still in cache); the Arrow tables are
+            # concatenated without copying and committed once per --commit-rows events, where the
+            # commit's fixed costs amortise.
+            pending: list[dict[str, pa.Table]] = []
+            rows = 0
+            for raw in drains:
+                part = decoder.decode(drain(raw))
+                pending.append(part)
+                rows += sum(t.num_rows for t in part.values())
+                if rows >= args.commit_rows:
+                    commit(store, merge(pending))
+                    pending, rows = [], 0
+            if pending:
+                commit(store, merge(pending))
+
+        record(f"end to end, commit per {args.commit_rows:,}", timed(end_to_end), total)
+        assert sum(store.count(t) for t in ("mem_events", "gpu_ops", "host_events")) == total
+        store.close()
+
+    print(f"{'variant':52s} {'median':>14s}   (min .. max over rounds)")
+    for label, rates in results.items():
+        print(
+            f"{label:52s} {fmt_rate(statistics.median(rates))}"
+            f"   ({min(rates) / 1e6:.2f} .. {max(rates) / 1e6:.2f})"
+        )
+    ours = statistics.median(results["decode raw -> Arrow (store fast path)"])
+    theirs = statistics.median(results["decode raw -> records.md columns (bpf.output)"])
+    print(f"decode speed-up of the store fast path over the records.md decoder: {ours / theirs:.2f}x")
+
+
+def merge(parts: list[dict[str, pa.Table]]) -> dict[str, pa.Table]:
+    """Per-drain tables -> one batch; pa.concat_tables only links the chunks, nothing is copied."""
+    tables = {t for p in parts for t in p}
+    return {t: pa.concat_tables([p[t] for p in parts if t in p]) for t in sorted(tables)}
+
+
+def commit(store: DuckDBStore, batch: dict[str, pa.Table]) -> None:
+    result = store.export(batch)
+    if not result.ok:
+        raise SystemExit(f"append failed: {result.error}")
+
+
+def bench_paced(args, workdir: Path) -> None:
+    decoder = EventDecoder(PROBE_NAMES)
+    per_drain = int(args.paced_rate * 0.020)
+    drains_total = int(args.paced_seconds / 0.020)
+    pool = [ring_bytes(per_drain, seed=100 + i, mix=args.probes) for i in range(8)]
+    ring: queue.Queue = queue.Queue(maxsize=args.queue_drains)
+    dropped = 0
+    produced = 0
+
+    def producer() -> None:
+        nonlocal dropped, produced
+        start = time.perf_counter()
+        for i in range(drains_total):
+            # Pacing, not synchronisation: emit drain i at its scheduled time.
+            delay = start + i * 0.020 - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            try:
+                ring.put_nowait((time.perf_counter(), pool[i % len(pool)]))
+            except queue.Full:
+                dropped += per_drain
+            produced += per_drain
+        ring.put(None)
+
+    store = fresh_store(workdir, "paced")
+    latencies: list[float] = []
+    committed = 0
+
+    def consumer() -> None:
+        nonlocal committed
+        pending: list[dict[str, pa.Table]] = []
+        oldest: list[float] = []
+        rows = 0
+        last_commit = time.perf_counter()
+        while True:
+            item = ring.get()
+            if item is not None:
+                produced_at, raw = item
+                part = decoder.decode(drain(raw))
+                pending.append(part)
+                oldest.append(produced_at)
+                rows += sum(t.num_rows for t in part.values())
+            now = time.perf_counter()
+            if pending and (item is None or rows >= args.commit_rows or now - last_commit >= 0.25):
+                commit(store, merge(pending))
+                done = time.perf_counter()
+                latencies.extend(done - t for t in oldest)
+                committed += rows
+                pending, oldest, rows, last_commit = [], [], 0, done
+            if item is None:
+                return
+
+    threads = [threading.Thread(target=producer), threading.Thread(target=consumer)]
+    wall = timed(lambda: [t.start() for t in threads] and [t.join() for t in threads])
+    stored = sum(store.count(t) for t in ("mem_events", "gpu_ops", "host_events"))
+    store.close()
+    latencies.sort()
+    p99 = latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan")
+    print(
+        f"# paced: {args.paced_rate / 1e6:.2f} M ev/s offered for {args.paced_seconds:.0f} s, drains of"
+        f" {per_drain:,} every 20 ms, queue {args.queue_drains} drains"
+    )
+    print(
+        f"produced {produced:,}  committed {committed:,}  stored {stored:,}  dropped {dropped:,}"
+        f" ({dropped / max(produced, 1):.2%})  achieved {committed / wall / 1e6:.2f} M ev/s"
+        f"  drain->commit latency p99 {p99 * 1e3:.0f} ms  {'OK: 0 drops' if dropped == 0 else 'DROPS'}"
+    )
+
+
+def bench_query(args, workdir: Path) -> None:
+    path = workdir / "query.duckdb"
+    for leftover in (path, Path(f"{path}.wal")):
+        leftover.unlink(missing_ok=True)
+    chunk = 1_000_000
+    started = time.perf_counter()
+    with DuckDBStore(path) as store:
+        for index in range(-(-args.query_steps // chunk)):
+            rows = min(chunk, args.query_steps - index * chunk)
+            steps = synthetic.token_steps(
+                pid=1000 + index,
+                requests=rows // 100,
+                tokens_per_request=100,
+                batch_rows=4,
+                tenants=("acme", "globex", "initech", "umbrella"),
+                seed=index,
+                start_ns=10**12 + index * 10**13,
+            )
+            result = store.export({"token_steps": steps})
+            if not result.ok:
+                raise SystemExit(result.error)
+        total = store.count("token_steps")
+    build = time.perf_counter() - started
+    print(
+        f"# query: store of {total:,} token steps built in {build:.1f} s ({total / build / 1e6:.2f} M rows/s)"
+    )
+    sql, params = views.slowest_steps(20, tenant="acme")
+    with DuckDBStore(path, read_only=True) as store:
+        timings = []
+        for _ in range(args.rounds + 2):
+            start = time.perf_counter()
+            rows = store.connection.execute(sql, params).fetchall()
+            timings.append((time.perf_counter() - start) * 1e3)
+        assert len(rows) == 20
+    median = statistics.median(timings[1:])
+    print(
+        f"--slowest-steps -n 20 --tenant acme: median {median:.0f} ms over {len(timings) - 1} runs"
+        f" (first {timings[0]:.0f} ms)  ({median / TARGET_QUERY_MS:.2f}x the {TARGET_QUERY_MS:.0f} ms budget)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--batch-events", type=int, default=1_000_000, help="events per throughput round")
+    parser.add_argument(
+        "--drain-events", type=int, default=20_000, help="events per ring drain (~20 ms at 1 M/s)"
+    )
+    parser.add_argument(
+        "--commit-rows", type=int, default=250_000, help="coalesce drains up to this per commit"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--probes", choices=sorted(PROBE_MIXES), default="cpu", help="probe mix of the events"
+    )
+    parser.add_argument("--paced-rate", type=float, default=1_000_000)
+    parser.add_argument("--paced-seconds", type=float, default=5.0)
+    parser.add_argument("--queue-drains", type=int, default=50, help="bounded queue between ring and store")
+    parser.add_argument("--query-steps", type=int, default=10_000_000)
+    parser.add_argument("--no-query", action="store_true", help="skip the 10 M token-step query part")
+    parser.add_argument("--dir", help="where the benchmark's DuckDB files go (default: a temp dir)")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        workdir = Path(tmp)
+        bench_throughput(args, workdir)
+        bench_paced(args, workdir)
+        if not args.no_query:
+            bench_query(args, workdir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
