@@ -7,8 +7,8 @@ Measures, interleaved round by round so noise from other work on the machine hit
                 (llmobs.bpf.output.events_table: hex trace ids, plain strings) for comparison
   append        decoded tables -> DuckDBStore.export (one transaction per batch), per batch size
   end-to-end    raw bytes -> decode -> append, coalescing ring drains into one commit per --commit-rows
-Then a paced run: a producer thread emits one ring drain every 20 ms at --paced-rate events/s into a
-bounded queue (full queue = dropped drain, counted); the consumer decodes, coalesces and commits.
+Then a paced run: a drain every 20 ms at --paced-rate events/s is submitted to a StoreWriter (the
+agent's path: bounded queue, full queue = dropped and counted; a thread decodes, coalesces, commits).
 Finally (unless --no-query) the issue's query target: --slowest-steps for one tenant on a store of
 --query-steps synthetic token steps.
 
@@ -19,11 +19,9 @@ targets of DESIGN.md (>= 2.4 M events/s end to end, 0 drops at 1 M/s, slowest-st
 from __future__ import annotations
 
 import argparse
-import queue
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +32,7 @@ from llmobs.bpf.profiles import PROBES
 from llmobs.bpf.records import EVENT_DTYPE, RING_RECORD_DTYPE
 from llmobs.store import DuckDBStore, synthetic, views
 from llmobs.store.ingest import EventDecoder
+from llmobs.store.writer import StoreWriter
 
 TARGET_EVENTS_PER_S = 2_400_000
 TARGET_QUERY_MS = 200.0
@@ -103,14 +102,15 @@ def bench_throughput(args, workdir: Path) -> None:
     drains = [ring_bytes(args.drain_events, seed=i, mix=args.probes) for i in range(count)]
     total = sum(len(d) for d in drains) // RING_RECORD_DTYPE.itemsize
     print(
-        f"# throughput: {total:,} events per round in drains of {args.drain_events:,}; {args.rounds} rounds"
+        f"# throughput: {total:,} events per round in drains of {args.drain_events:,}, probes {args.probes};"
+        f" {args.rounds} rounds, DuckDB threads=1"
     )
     results: dict[str, list[float]] = {}
 
     def record(label: str, seconds: float, events: int) -> None:
         results.setdefault(label, []).append(events / seconds)
 
-    for round_index in range(args.rounds):
+    def run_round(round_index: int) -> None:
         # (a) decode only: ours, and the records.md decoder of the eBPF layer, on the same bytes.
         decoded: list[dict[str, pa.Table]] = []
         record(
@@ -137,28 +137,35 @@ def bench_throughput(args, workdir: Path) -> None:
         record(f"append, one commit of {total:,}", timed(lambda: commit(store, merged)), total)
         store.close()
 
-        # (c) end to end: raw bytes -> decode -> coalesce -> commit every --commit-rows events.
-        store = fresh_store(workdir, f"e2e-{round_index}")
+        # (c) end to end: raw bytes -> decode -> coalesce -> commit every N events, for two N.
+        for commit_rows in sorted({250_000, args.commit_rows}):
+            store = fresh_store(workdir, f"e2e-{round_index}-{commit_rows}")
+            record(
+                f"end to end, commit per {commit_rows:,}",
+                timed(lambda store=store, n=commit_rows: end_to_end(store, n)),
+                total,
+            )
+            assert sum(store.count(t) for t in ("mem_events", "gpu_ops", "host_events")) == total
+            store.close()
 
-        def end_to_end() -> None:
-            # Each drain is decoded as it comes (its records are still in cache); the Arrow tables are
-            # concatenated without copying and committed once per --commit-rows events, where the
-            # commit's fixed costs amortise.
-            pending: list[dict[str, pa.Table]] = []
-            rows = 0
-            for raw in drains:
-                part = decoder.decode(drain(raw))
-                pending.append(part)
-                rows += sum(t.num_rows for t in part.values())
-                if rows >= args.commit_rows:
-                    commit(store, merge(pending))
-                    pending, rows = [], 0
-            if pending:
+    def end_to_end(store: DuckDBStore, commit_rows: int) -> None:
+        # Each drain is decoded as it comes (its records are still in cache); the Arrow tables are
+        # concatenated without copying and committed once per `commit_rows` events, where the
+        # commit's fixed costs amortise.
+        pending: list[dict[str, pa.Table]] = []
+        rows = 0
+        for raw in drains:
+            part = decoder.decode(drain(raw))
+            pending.append(part)
+            rows += sum(t.num_rows for t in part.values())
+            if rows >= commit_rows:
                 commit(store, merge(pending))
+                pending, rows = [], 0
+        if pending:
+            commit(store, merge(pending))
 
-        record(f"end to end, commit per {args.commit_rows:,}", timed(end_to_end), total)
-        assert sum(store.count(t) for t in ("mem_events", "gpu_ops", "host_events")) == total
-        store.close()
+    for round_index in range(args.rounds):
+        run_round(round_index)
 
     print(f"{'variant':52s} {'median':>14s}   (min .. max over rounds)")
     for label, rates in results.items():
@@ -184,71 +191,45 @@ def commit(store: DuckDBStore, batch: dict[str, pa.Table]) -> None:
 
 
 def bench_paced(args, workdir: Path) -> None:
-    decoder = EventDecoder(PROBE_NAMES)
+    """The drain thread submits one drain every 20 ms to a StoreWriter (the agent's real path); the
+    writer's bounded queue drops and counts what the store cannot take in time."""
     per_drain = int(args.paced_rate * 0.020)
     drains_total = int(args.paced_seconds / 0.020)
     pool = [ring_bytes(per_drain, seed=100 + i, mix=args.probes) for i in range(8)]
-    ring: queue.Queue = queue.Queue(maxsize=args.queue_drains)
-    dropped = 0
-    produced = 0
-
-    def producer() -> None:
-        nonlocal dropped, produced
-        start = time.perf_counter()
-        for i in range(drains_total):
-            # Pacing, not synchronisation: emit drain i at its scheduled time.
-            delay = start + i * 0.020 - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            try:
-                ring.put_nowait((time.perf_counter(), pool[i % len(pool)]))
-            except queue.Full:
-                dropped += per_drain
-            produced += per_drain
-        ring.put(None)
-
     store = fresh_store(workdir, "paced")
-    latencies: list[float] = []
-    committed = 0
-
-    def consumer() -> None:
-        nonlocal committed
-        pending: list[dict[str, pa.Table]] = []
-        oldest: list[float] = []
-        rows = 0
-        last_commit = time.perf_counter()
-        while True:
-            item = ring.get()
-            if item is not None:
-                produced_at, raw = item
-                part = decoder.decode(drain(raw))
-                pending.append(part)
-                oldest.append(produced_at)
-                rows += sum(t.num_rows for t in part.values())
-            now = time.perf_counter()
-            if pending and (item is None or rows >= args.commit_rows or now - last_commit >= 0.25):
-                commit(store, merge(pending))
-                done = time.perf_counter()
-                latencies.extend(done - t for t in oldest)
-                committed += rows
-                pending, oldest, rows, last_commit = [], [], 0, done
-            if item is None:
-                return
-
-    threads = [threading.Thread(target=producer), threading.Thread(target=consumer)]
-    wall = timed(lambda: [t.start() for t in threads] and [t.join() for t in threads])
+    writer = StoreWriter(
+        store,
+        EventDecoder(PROBE_NAMES),
+        max_rows=args.commit_rows,
+        max_delay_s=1.0,
+        queue_items=args.queue_drains,
+    )
+    start = time.perf_counter()
+    for i in range(drains_total):
+        # Pacing, not synchronisation: drain i happens at its scheduled time.
+        delay = start + i * 0.020 - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        writer.submit(drain(pool[i % len(pool)]))
+    offered_s = time.perf_counter() - start
+    flushed = writer.flush(timeout=60)
+    tail_s = time.perf_counter() - start - offered_s
+    writer.close()
+    c = writer.counters
     stored = sum(store.count(t) for t in ("mem_events", "gpu_ops", "host_events"))
     store.close()
-    latencies.sort()
-    p99 = latencies[int(0.99 * (len(latencies) - 1))] if latencies else float("nan")
     print(
         f"# paced: {args.paced_rate / 1e6:.2f} M ev/s offered for {args.paced_seconds:.0f} s, drains of"
-        f" {per_drain:,} every 20 ms, queue {args.queue_drains} drains"
+        f" {per_drain:,} every 20 ms, StoreWriter(max_rows={args.commit_rows:,}, max_delay 1 s,"
+        f" queue {args.queue_drains} drains)"
     )
+    verdict = "OK: 0 drops" if c.dropped_rows == 0 else "DROPS"
+    timed_out = "" if flushed else " (TIMED OUT)"
     print(
-        f"produced {produced:,}  committed {committed:,}  stored {stored:,}  dropped {dropped:,}"
-        f" ({dropped / max(produced, 1):.2%})  achieved {committed / wall / 1e6:.2f} M ev/s"
-        f"  drain->commit latency p99 {p99 * 1e3:.0f} ms  {'OK: 0 drops' if dropped == 0 else 'DROPS'}"
+        f"submitted {c.submitted_rows:,}  committed {c.committed_rows:,} in {c.commits} commits"
+        f"  stored {stored:,}  dropped {c.dropped_rows:,} ({c.dropped_rows / max(c.submitted_rows, 1):.2%})"
+        f"  failed {c.failed_rows:,}  achieved {c.committed_rows / (offered_s + tail_s) / 1e6:.2f} M ev/s"
+        f"  flush after last drain {tail_s * 1e3:.0f} ms{timed_out}  {verdict}"
     )
 
 
@@ -302,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
         "--drain-events", type=int, default=20_000, help="events per ring drain (~20 ms at 1 M/s)"
     )
     parser.add_argument(
-        "--commit-rows", type=int, default=250_000, help="coalesce drains up to this per commit"
+        "--commit-rows", type=int, default=1_000_000, help="coalesce drains up to this per commit"
     )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -310,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--paced-rate", type=float, default=1_000_000)
     parser.add_argument("--paced-seconds", type=float, default=5.0)
-    parser.add_argument("--queue-drains", type=int, default=50, help="bounded queue between ring and store")
+    parser.add_argument("--queue-drains", type=int, default=100, help="StoreWriter queue, in drains")
     parser.add_argument("--query-steps", type=int, default=10_000_000)
     parser.add_argument("--no-query", action="store_true", help="skip the 10 M token-step query part")
     parser.add_argument("--dir", help="where the benchmark's DuckDB files go (default: a temp dir)")

@@ -1,0 +1,85 @@
+"""StoreWriter: coalesced commits, never-blocking submits with counted drops, flush and close."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from llmobs.bpf.profiles import PROBES
+from llmobs.bpf.records import EVENT_DTYPE
+from llmobs.store import DuckDBStore, synthetic
+from llmobs.store.ingest import EventDecoder
+from llmobs.store.writer import StoreWriter
+
+
+def _records(n, seed=0):
+    rng = np.random.default_rng(seed)
+    ev = np.zeros(n, dtype=EVENT_DTYPE)
+    ev["pid"] = 5
+    ev["probe"] = 1  # alloc_cpu: kind mem
+    ev["kind"] = 0
+    ev["ts_ns"] = np.sort(rng.integers(1, 10**12, size=n))
+    ev["step_seq"] = rng.integers(1, 100, size=n)
+    return ev
+
+
+@pytest.fixture
+def store(tmp_path):
+    with DuckDBStore(tmp_path / "w.duckdb") as s:
+        yield s
+
+
+def _wait_until(condition, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.001)  # polling a condition with a deadline, not a fixed sleep
+
+
+def test_items_are_coalesced_into_commits_of_max_rows(store):
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_rows=10_000, max_delay_s=60)
+    for i in range(10):
+        assert writer.submit(_records(3000, seed=i))
+    steps = synthetic.token_steps(pid=5, requests=2, tokens_per_request=10)
+    assert writer.submit({"token_steps": steps})
+    assert writer.flush(timeout=30)
+    # 4 x 3000 >= 10000 -> commit; again after 8; the flush commits the last 2 items and the steps.
+    assert writer.counters.commits == 3
+    assert writer.counters.committed_rows == 30_000 + 20 == writer.counters.submitted_rows
+    assert store.count("mem_events") == 30_000 and store.count("token_steps") == 20
+    assert writer.close(timeout=10)
+
+
+def test_a_full_queue_drops_and_counts_instead_of_blocking(store):
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_rows=1, queue_items=4)
+    with store._lock:  # the disk is "stuck": the writer's first commit waits here
+        assert writer.submit(_records(100))
+        _wait_until(lambda: writer._queue.qsize() == 0)  # the writer holds item 1, blocked on the store
+        started = time.monotonic()
+        accepted = [writer.submit(_records(100, seed=i)) for i in range(10)]
+        assert time.monotonic() - started < 1.0  # submit never waits on the store
+        assert accepted == [True] * 4 + [False] * 6
+        assert writer.counters.dropped_rows == 600
+    assert writer.flush(timeout=30)
+    assert writer.counters.committed_rows == 500 and store.count("mem_events") == 500
+    assert writer.close()
+
+
+def test_bad_items_are_counted_and_the_writer_keeps_going(store):
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_rows=1)
+    assert writer.submit(np.zeros(3, dtype=[("x", "<u8")]))  # not ring records
+    assert writer.submit({"no_such_table": {"a": [1]}})
+    assert writer.submit(_records(50))
+    assert writer.flush(timeout=30)
+    assert writer.counters.failed_rows == 4 and writer.counters.committed_rows == 50
+    assert store.count("mem_events") == 50
+    assert writer.close()
+
+
+def test_close_commits_what_is_pending(store):
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_rows=10**9, max_delay_s=60)
+    assert writer.submit(_records(123))
+    assert writer.close(timeout=30)
+    assert store.count("mem_events") == 123
