@@ -28,6 +28,7 @@ _HEADER_STRUCT = struct.Struct(
     "<" + "".join({"u32": "I", "u64": "Q"}[f.type] for f in layout.HEADER.fields[:-1])
 )
 assert _HEADER_STRUCT.size == layout.HEADER.offsets["reserved"]
+_HEADS = slice(layout.HEADER.offsets["names_head"], layout.HEADER.offsets["cupti_head"] + 8)
 MAX_HEAD = 1 << 62  # a head beyond this cannot come from a real writer (and 2*pos+2 would overflow)
 _KNOWN_FLAGS = (
     layout.FLAG_HAS_TARGET | layout.FLAG_GENERATE | layout.FLAG_TEACHER_FORCED | layout.FLAG_DEVICE_CUDA
@@ -177,8 +178,15 @@ class MapView:
         self._names_cursor = 0
 
     def refresh(self) -> dict:
-        """Re-read the live header (heads, counters) and validate it again."""
-        self.header = validate_header(self.source.read(0, layout.HEADER.size), self.source.size)
+        """Re-read the live header (heads, counters) and validate it again. The header is read until
+        two reads agree (bounded), so a head word caught mid-update is not used."""
+        raw = self.source.read(0, layout.HEADER.size)
+        for _ in range(8):
+            again = self.source.read(0, layout.HEADER.size)
+            if again[_HEADS] == raw[_HEADS]:
+                break
+            raw = again
+        self.header = validate_header(raw, self.source.size)
         return self.header
 
     def context(self, tries: int = 100) -> dict | None:
@@ -245,6 +253,11 @@ class MapView:
             overwritten = ~committed & ((seq > expected) | (seq_b > expected))
             torn_now = (seq == expected - 1) | (seq_b == expected - 1) | (~same & (seq == expected))
             in_progress = ~committed & ~overwritten & torn_now
+        unwritten = ~committed & ~overwritten & ~in_progress & (seq < expected - 1)
+        if unwritten[-1]:  # a trailing run of never-written records: the head was read ahead of them
+            trailing = n if unwritten.all() else int(np.argmin(unwritten[::-1]))
+            in_progress = in_progress.copy()
+            in_progress[n - trailing :] = True
         next_cursor = end
         if in_progress.any():  # stop at the first record still being written; retry it next time
             stop = int(np.argmax(in_progress))

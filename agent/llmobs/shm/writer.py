@@ -89,6 +89,11 @@ class ShmWriter:
             self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        # Every word another process polls (sequence words, heads, the cell's seq, ack_seq) is stored
+        # through these typed views: one aligned 8-byte store. struct.pack_into would first zero the
+        # bytes and then write them (CPython memsets its output), and a reader could see that zero.
+        self.words = np.frombuffer(self.mm, dtype="<u8")
+        self.words32 = np.frombuffer(self.mm, dtype="<u4")
         self.names_offset = regions.names_offset
         self.steps_offset = regions.steps_offset
         self.cupti_offset = regions.cupti_offset
@@ -141,7 +146,7 @@ class ShmWriter:
         hdr["cupti_record_size"] = layout.CUPTI_RECORD.size
         raw = hdr.tobytes()
         self.mm[8 : layout.HEADER.size] = raw[8:]
-        _U64.pack_into(self.mm, 0, layout.MAGIC)  # last: a reader never sees a half-written header
+        self.words[0] = layout.MAGIC  # last: a reader never sees a half-written header
         if model_id:
             self.set_model(model_id)
 
@@ -152,7 +157,7 @@ class ShmWriter:
         self.closed = True
         try:
             self.poll_pending()
-            _U32.pack_into(self.mm, _H["state"], layout.STATE_CLOSED)
+            self.words32[_H["state"] >> 2] = layout.STATE_CLOSED
         finally:
             if unlink:
                 with contextlib.suppress(FileNotFoundError):
@@ -160,7 +165,7 @@ class ShmWriter:
 
     def set_model(self, model_id: str | None) -> None:
         """The process's default model id, shown by `inspect` before any step."""
-        _U64.pack_into(self.mm, _H["model_hash"], self.name(layout.NAME_MODEL, model_id))
+        self.words[_H["model_hash"] >> 3] = self.name(layout.NAME_MODEL, model_id)
 
     # --- names ------------------------------------------------------------------------------------
     def name(self, kind: int, text: str | None) -> int:
@@ -175,12 +180,12 @@ class ShmWriter:
         with self._lock:
             pos = self.names_head
             off = self.names_offset + (pos & (self.names_capacity - 1)) * layout.NAME_RECORD.size
-            _U64.pack_into(self.mm, off, 2 * pos + 1)
+            self.words[off >> 3] = 2 * pos + 1
             self.names_head = pos + 1
-            _U64.pack_into(self.mm, _H["names_head"], self.names_head)
+            self.words[_H["names_head"] >> 3] = self.names_head
             _NAME_HEAD.pack_into(self.mm, off + 8, h, kind, len(data))
             self.mm[off + 24 : off + 24 + len(data)] = data
-            _U64.pack_into(self.mm, off, 2 * pos + 2)
+            self.words[off >> 3] = 2 * pos + 2
         self._names[h] = pos
         return h
 
@@ -192,11 +197,11 @@ class ShmWriter:
         seq = self.step_seq
         cell = layout.CTX_OFFSET
         odd = self._cell_seq + 1  # the cell's seqlock: odd while writing, even when stable
-        _U64.pack_into(mm, cell, odd)
+        self.words[cell >> 3] = odd
         _CELL_BODY.pack_into(mm, cell + 8, trace_hi, trace_lo, seq, tenant_hash, session_hash)
         self._cell_seq = odd + 1
-        _U64.pack_into(mm, cell, odd + 1)
-        _U64.pack_into(mm, _H["heartbeat_ns"], time.monotonic_ns())
+        self.words[cell >> 3] = odd + 1
+        self.words[_H["heartbeat_ns"] >> 3] = time.monotonic_ns()
         if self._pending:
             self.poll_pending()
         self._poll_control()
@@ -207,15 +212,15 @@ class ShmWriter:
         mm = self.mm
         cell = layout.CTX_OFFSET
         odd = self._cell_seq + 1
-        _U64.pack_into(mm, cell, odd)
+        self.words[cell >> 3] = odd
         _CELL_BODY.pack_into(mm, cell + 8, 0, 0, 0, 0, 0)
         self._cell_seq = odd + 1
-        _U64.pack_into(mm, cell, odd + 1)
+        self.words[cell >> 3] = odd + 1
 
     # --- the control block ------------------------------------------------------------------------
     def _poll_control(self) -> None:
         base = layout.CONTROL_OFFSET
-        cmd_seq = _U64.unpack_from(self.mm, base)[0]
+        cmd_seq = int(self.words[base >> 3])
         if self._cmd_until is not None and self.step_seq >= self._cmd_until:
             self._finish_command()
         if cmd_seq == self._acked_cmd_seq:
@@ -243,7 +248,7 @@ class ShmWriter:
             done = self.step_seq
         base = layout.CONTROL_OFFSET
         _CONTROL_ACK.pack_into(self.mm, base + _C["ack_status"], status, self.pid, self.step_seq, done)
-        _U64.pack_into(self.mm, base + _C["ack_seq"], cmd_seq)  # last: the agent's signal
+        self.words[(base + _C["ack_seq"]) >> 3] = cmd_seq  # last: the agent's signal
         self._acked_cmd_seq = cmd_seq
 
     def _finish_command(self) -> None:
@@ -251,7 +256,7 @@ class ShmWriter:
         if stop is not None:
             with contextlib.suppress(Exception):
                 stop()
-        _U64.pack_into(self.mm, layout.CONTROL_OFFSET + _C["done_step_seq"], self.step_seq)
+        self.words[(layout.CONTROL_OFFSET + _C["done_step_seq"]) >> 3] = self.step_seq
 
     # --- token-step records -------------------------------------------------------------------------
     def device_view(self):
@@ -325,7 +330,7 @@ class ShmWriter:
                 self.poll_pending()
                 if len(self._pending) >= MAX_PENDING_STEPS:  # the device is far behind: drop, never wait
                     self.steps_dropped += n
-                    _U64.pack_into(self.mm, _H["steps_dropped"], self.steps_dropped)
+                    self.words[_H["steps_dropped"] >> 3] = self.steps_dropped
                     return n
         mm = self.mm
         rec = layout.STEP_RECORD.size
@@ -336,13 +341,13 @@ class ShmWriter:
             if n <= SMALL_BATCH:
                 offs = [self.steps_offset + ((pos + i) & (cap - 1)) * rec for i in range(n)]
                 for i, off in enumerate(offs):
-                    _U64.pack_into(mm, off, 2 * (pos + i) + 1)
+                    self.words[off >> 3] = 2 * (pos + i) + 1
             else:
                 seqs = 2 * np.arange(pos, pos + n, dtype=np.uint64) + 1
                 self.steps["seq"][slot : slot + first] = seqs[:first]
                 self.steps["seq"][: n - first] = seqs[first:]
             self.steps_head = pos + n
-            _U64.pack_into(mm, _H["steps_head"], self.steps_head)
+            self.words[_H["steps_head"] >> 3] = self.steps_head
             # the device block: one copy (two when the ring wraps)
             view = self.device_view()
             view[slot : slot + first].copy_(block[:first], non_blocking=True)
@@ -385,7 +390,7 @@ class ShmWriter:
                 self._pending.append((event, pos, n))
             elif n <= SMALL_BATCH:
                 for i, off in enumerate(offs):
-                    _U64.pack_into(mm, off, 2 * (pos + i) + 2)
+                    self.words[off >> 3] = 2 * (pos + i) + 2
             else:
                 self._commit_many(pos, n)
         return 0
@@ -429,9 +434,9 @@ class ShmWriter:
         with self._lock:
             pos = self.cupti_head
             off = self.cupti_offset + (pos & (self.cupti_capacity - 1)) * layout.CUPTI_RECORD.size
-            _U64.pack_into(self.mm, off, 2 * pos + 1)
+            self.words[off >> 3] = 2 * pos + 1
             self.cupti_head = pos + 1
-            _U64.pack_into(self.mm, _H["cupti_head"], self.cupti_head)
+            self.words[_H["cupti_head"] >> 3] = self.cupti_head
             _CUPTI_BODY.pack_into(
                 self.mm,
                 off + 8,
@@ -444,7 +449,7 @@ class ShmWriter:
                 device_id,
                 stream_id,
             )
-            _U64.pack_into(self.mm, off, 2 * pos + 2)
+            self.words[off >> 3] = 2 * pos + 2
 
 
 def _at(value, i: int):
