@@ -117,6 +117,9 @@ class ShmWriter:
         self._acked_cmd_seq = 0
         self._cmd_until: int | None = None
         self._cmd_stop: Callable[[], None] | None = None
+        # called with step_seq at each step start (after commands are handled) and 0 at clear_context:
+        # the CUPTI collector pushes the step as CUPTI's external correlation id while it collects
+        self.step_hook: Callable[[int], None] | None = None
         self.closed = False
         self._write_header(regions, model_id)
 
@@ -205,6 +208,8 @@ class ShmWriter:
         if self._pending:
             self.poll_pending()
         self._poll_control()
+        if self.step_hook is not None:
+            self.step_hook(seq)
         return seq
 
     def clear_context(self) -> None:
@@ -216,6 +221,8 @@ class ShmWriter:
         _CELL_BODY.pack_into(mm, cell + 8, 0, 0, 0, 0, 0)
         self._cell_seq = odd + 1
         self.words[cell >> 3] = odd + 1
+        if self.step_hook is not None:
+            self.step_hook(0)
 
     # --- the control block ------------------------------------------------------------------------
     def _poll_control(self) -> None:
