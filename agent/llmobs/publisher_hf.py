@@ -207,4 +207,7 @@ def instrument(model, tokenizer=None, *, model_id: str | None = None, labels: bo
     get_writer().set_model(model_id)  # the map exists from now on: an agent can attach before any token
     inst = Instrumented(model, model_id, labels)
     publish_process_context(model_id=model_id)
+    from llmobs.cupti import install as install_cupti
+
+    install_cupti()  # where torch sees a GPU: the CUPTI collector, idle until `llmobs-agent trace` asks
     return inst
