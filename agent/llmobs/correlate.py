@@ -4,7 +4,8 @@ Join keys, in order of trust:
 1. the in-kernel tag: an event carrying (pid, step_seq) belongs to that forward pass;
 2. CUPTI's external correlation id, which the collector sets to the step_seq (gpu_ops.external_id);
 3. for untagged events (step_seq 0: before the first step, or a probe that could not read the cell),
-   the time window [t_start_ns, t_end_ns) of the same pid's forward pass they fall in.
+   the time window [t_start_ns, t_end_ns) of the same pid's forward pass they fall in (if two passes
+   of one pid overlap, the one that started last).
 
 A forward pass (pid, step_seq) may produce several token steps (one per batch row); its rollup is
 shared by those rows. Counts come from the exact kernel aggregates (probe_aggregates) when the pass has
@@ -19,12 +20,19 @@ from dataclasses import dataclass
 
 import duckdb
 
-# Every eBPF event, one schema: the three event tables with their kind.
-_EVENTS = """
+# How much earlier than its pass's t_start_ns an event of that pass may be stamped: the tag is bumped
+# just before t_start_ns is read, so the skew is tiny; 1 s is a generous bound that still lets an
+# incremental run skip the old events.
+EVENT_SLACK_NS = 1_000_000_000
+
+# Every eBPF event from `$since - slack` on, one schema: the three event tables.
+_EVENTS = f"""
     SELECT pid, step_seq, ts_ns, probe, value, duration_ns FROM mem_events
+        WHERE ts_ns >= $since - {EVENT_SLACK_NS}
     UNION ALL SELECT pid, step_seq, ts_ns, probe, value, duration_ns FROM host_events
+        WHERE ts_ns >= $since - {EVENT_SLACK_NS}
     UNION ALL SELECT pid, coalesce(external_id, step_seq), ts_ns, probe, value, duration_ns
-        FROM gpu_ops WHERE source = 'ebpf'
+        FROM gpu_ops WHERE source = 'ebpf' AND ts_ns >= $since - {EVENT_SLACK_NS}
 """
 
 _ROLLUP_SQL = f"""
@@ -45,6 +53,7 @@ exact AS (
     SELECT a.pid, a.step_seq, a.probe, sum(a.count) AS n, sum(a.sum_value) AS bytes,
            sum(a.sum_duration_ns) AS ns
     FROM probe_aggregates a SEMI JOIN passes p ON a.pid = p.pid AND a.step_seq = p.step_seq
+    WHERE a.ts_ns IS NULL OR a.ts_ns >= $since - {EVENT_SLACK_NS}  -- read after its events happened
     GROUP BY ALL
 ),
 exact_passes AS (SELECT DISTINCT pid, step_seq FROM exact),
@@ -54,9 +63,12 @@ per_step AS (  -- exact totals where the kernel kept them, else what the events 
     SELECT t.* FROM tagged t ANTI JOIN exact_passes x ON t.pid = x.pid AND t.step_seq = x.step_seq
 ),
 windowed AS (  -- untagged events, placed by time in the same pid's forward pass
+    -- ASOF: each event meets only the latest pass of its pid that started at or before it (a sort-merge,
+    -- not events x passes), and counts if it falls before that pass's end.
     SELECT p.pid, p.step_seq, e.probe, count(*) AS n, sum(e.value) AS bytes, sum(e.duration_ns) AS ns
-    FROM events e JOIN passes p
-      ON e.step_seq = 0 AND e.pid = p.pid AND e.ts_ns >= p.t_start_ns AND e.ts_ns < p.t_end_ns
+    FROM (SELECT * FROM events WHERE step_seq = 0) e
+    ASOF JOIN passes p ON e.pid = p.pid AND e.ts_ns >= p.t_start_ns
+    WHERE e.ts_ns < p.t_end_ns
     GROUP BY ALL
 ),
 classified AS (
