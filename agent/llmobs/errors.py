@@ -22,6 +22,8 @@ class ExitCode:
     NOTHING_ATTACHED = 9  # every probe of the chosen profiles failed to attach
     NO_GPU = 10
     STORE_ERROR = 11
+    GPU_BUSY = 12  # `trace`: another tool (the PyTorch profiler, Nsight) owns CUPTI in the process
+    NO_RESPONSE = 13  # `trace`: the process did not answer the control block in time (idle?)
 
 
 class LlmobsError(Exception):
@@ -78,3 +80,13 @@ class NoGpu(LlmobsError):
 class StoreError(LlmobsError):
     exit_code = ExitCode.STORE_ERROR
     default_hint = "check the --db path and that no other agent holds the DuckDB file open for writing"
+
+
+class GpuBusy(LlmobsError):
+    exit_code = ExitCode.GPU_BUSY
+    default_hint = "stop the PyTorch profiler (or Nsight) in the process, or trace it after it is done"
+
+
+class NoResponse(LlmobsError):
+    exit_code = ExitCode.NO_RESPONSE
+    default_hint = "the process handles commands at the start of a token step: is it generating? raise --timeout"
