@@ -89,4 +89,4 @@ class GpuBusy(LlmobsError):
 
 class NoResponse(LlmobsError):
     exit_code = ExitCode.NO_RESPONSE
-    default_hint = "the process handles commands at the start of a token step: is it generating? raise --timeout"
+    default_hint = "a process handles commands when a token step starts: is it generating? raise --timeout"
