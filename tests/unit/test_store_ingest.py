@@ -64,3 +64,21 @@ def test_decoder_rejects_other_record_layouts():
     with pytest.raises(TypeError):
         EventDecoder(NAMES).decode(np.zeros(3, dtype=[("a", "<u8")]))
     assert EventDecoder(NAMES).decode(np.zeros(0, dtype=EVENT_DTYPE)) == {}
+
+
+def test_the_bpf_layers_own_tables_append_as_they_are(tmp_path):
+    # What `attach --out` writes today (records.md columns, unsigned types, hex trace ids) goes in unchanged.
+    from llmobs.bpf.output import aggregates_table
+
+    records = _records(2000, seed=9)
+    totals = {(5, 1, 7): [10, 4096, 0], (5, 2, 7): [3, 0, 0], (5, 1, 0): [2, 64, 0]}
+    with DuckDBStore(tmp_path / "b.duckdb") as store:
+        assert store.export({"events": events_table(records, sample_ratio=3)}).ok
+        assert store.export({"probe_aggregates": aggregates_table(totals)}).ok
+        assert sum(store.count(t) for t in ("mem_events", "gpu_ops", "host_events")) == 2000
+        rows = store.query("SELECT pid, step_seq, probe, count, sum_value FROM probe_aggregates ORDER BY ALL")
+        assert rows.to_pylist() == [
+            {"pid": 5, "step_seq": 0, "probe": NAMES[1], "count": 2, "sum_value": 64},
+            {"pid": 5, "step_seq": 7, "probe": NAMES[1], "count": 10, "sum_value": 4096},
+            {"pid": 5, "step_seq": 7, "probe": NAMES[2], "count": 3, "sum_value": 0},
+        ]
