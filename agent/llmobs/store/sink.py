@@ -211,7 +211,15 @@ class DuckDBStore:
         if isinstance(fit, clock.WallClock):
             values = (fit.measured_at_mono_ns, fit.offset_ns, 0.0, fit.error_ns, fit.residual_ns, fit.samples)
         else:
-            values = (fit.ref_mono_ns, fit.offset_ns, fit.drift_ppm, 0.0, fit.residual_ns, fit.samples)
+            # A fit has no single bracket bound; its worst residual is the honest error bound.
+            values = (
+                fit.ref_mono_ns,
+                fit.offset_ns,
+                fit.drift_ppm,
+                fit.max_residual_ns,
+                fit.residual_ns,
+                fit.samples,
+            )
         with self._lock:
             self._conn.execute(
                 "INSERT INTO clock_fits (ts_ns, pid, clock, ref_mono_ns, offset_ns, drift_ppm, error_ns,"
