@@ -25,9 +25,8 @@ from llmobs.shm import layout
 from llmobs.shm.hashing import name_hash
 
 _U64 = struct.Struct("<Q")
-_U32 = struct.Struct("<I")
 _CELL_BODY = struct.Struct("<QQQQQ")  # trace_id_hi, trace_id_lo, step_seq, tenant_hash, session_hash
-_STEP_HOST = struct.Struct("<QQQQQQQQIIii")  # step_seq .. kv_len, at record offset 8
+_STEP_BODY = struct.Struct("<QQQQQQQQIIii28sI")  # step_seq .. kv_len, device block, flags (offset 8)
 _NAME_HEAD = struct.Struct("<QII")  # hash, kind, length at name record offset 8
 _CONTROL_CMD = struct.Struct("<QIIQ")  # cmd_seq, cmd, cmd_flags, cmd_arg
 _CONTROL_ACK = struct.Struct("<IIQQ")  # ack_status, ack_pid, ack_step_seq, done_step_seq at +32
@@ -328,7 +327,7 @@ class ShmWriter:
                     batch_row=_take(batch_row, lo, hi), kv_len=_take(kv_len, lo, hi), flags=flags,
                 )  # fmt: skip
             return dropped
-        cuda = block.device.type == "cuda"
+        cuda = block.is_cuda
         if cuda:
             flags |= layout.FLAG_DEVICE_CUDA
             if not self._cuda_registered:
@@ -339,71 +338,129 @@ class ShmWriter:
                     self.steps_dropped += n
                     self.words[_H["steps_dropped"] >> 3] = self.steps_dropped
                     return n
-        mm = self.mm
-        rec = layout.STEP_RECORD.size
+        elif n <= SMALL_BATCH:
+            self._publish_small_cpu(
+                block,
+                n,
+                step_seq,
+                t_start,
+                t_end,
+                trace_hi,
+                trace_lo,
+                tenant_hash,
+                session_hash,
+                model_hash,
+                step,
+                position,
+                batch_row,
+                kv_len,
+                flags,
+            )
+            return 0
         with self._lock:
             pos = self.steps_head
             slot = pos & (cap - 1)
             first = min(n, cap - slot)  # records before the ring wraps
-            if n <= SMALL_BATCH:
-                offs = [self.steps_offset + ((pos + i) & (cap - 1)) * rec for i in range(n)]
-                for i, off in enumerate(offs):
-                    self.words[off >> 3] = 2 * (pos + i) + 1
-            else:
-                seqs = 2 * np.arange(pos, pos + n, dtype=np.uint64) + 1
-                self.steps["seq"][slot : slot + first] = seqs[:first]
-                self.steps["seq"][: n - first] = seqs[first:]
+            seqs = 2 * np.arange(pos, pos + n, dtype=np.uint64) + 1
+            self.steps["seq"][slot : slot + first] = seqs[:first]
+            self.steps["seq"][: n - first] = seqs[first:]
             self.steps_head = pos + n
             self.words[_H["steps_head"] >> 3] = self.steps_head
-            # the device block: one copy (two when the ring wraps)
+            # the device block: one asynchronous copy into the map (two when the ring wraps)
             view = self.device_view()
-            view[slot : slot + first].copy_(block[:first], non_blocking=True)
-            if first < n:
-                view[: n - first].copy_(block[first:], non_blocking=True)
-            if n <= SMALL_BATCH:
-                scalar = isinstance(step, int) and isinstance(kv_len, int)
-                for i, off in enumerate(offs):
-                    _STEP_HOST.pack_into(
-                        mm, off + 8, step_seq, int(trace_hi[i]), int(trace_lo[i]), t_start, t_end,
-                        tenant_hash, session_hash, model_hash,
-                        step if scalar else int(_at(step, i)), int(position[i]), int(batch_row[i]),
-                        kv_len if scalar else int(_at(kv_len, i)),
-                    )  # fmt: skip
-                    _U32.pack_into(mm, off + 116, flags)
+            if first == n:
+                view[slot : slot + n].copy_(block, non_blocking=True)
             else:
-                self._fill_many(
-                    slot,
-                    first,
-                    n,
-                    step_seq,
-                    t_start,
-                    t_end,
-                    trace_hi,
-                    trace_lo,
-                    tenant_hash,
-                    session_hash,
-                    model_hash,
-                    step,
-                    position,
-                    batch_row,
-                    kv_len,
-                    flags,
-                )
-            if cuda:
+                view[slot:].copy_(block[:first], non_blocking=True)
+                view[: n - first].copy_(block[first:], non_blocking=True)
+            self._fill_many(
+                slot,
+                first,
+                n,
+                step_seq,
+                t_start,
+                t_end,
+                trace_hi,
+                trace_lo,
+                tenant_hash,
+                session_hash,
+                model_hash,
+                step,
+                position,
+                batch_row,
+                kv_len,
+                flags,
+            )
+            if cuda:  # committed by poll_pending() once the copy is done, never waited for
                 import torch
 
                 event = torch.cuda.Event()
                 event.record()
                 self._pending.append((event, pos, n))
-            elif n <= SMALL_BATCH:
-                for i, off in enumerate(offs):
-                    self.words[off >> 3] = 2 * (pos + i) + 2
             else:
                 self._commit_many(pos, n)
         return 0
 
-    def _fill_many(self, slot, first, n, step_seq, t_start, t_end, trace_hi, trace_lo, tenant_hash,
-                   session_hash, model_hash, step, position, batch_row, kv_len, flags) -> None:  # fmt: skip
+    def _publish_small_cpu(
+        self,
+        block,
+        n,
+        step_seq,
+        t_start,
+        t_end,
+        trace_hi,
+        trace_lo,
+        tenant_hash,
+        session_hash,
+        model_hash,
+        step,
+        position,
+        batch_row,
+        kv_len,
+        flags,
+    ) -> None:
+        """The common decode case (a few rows, CPU tensors): the device block is already in host memory
+        and a copy would be synchronous anyway, so each record body (host fields, the 28-byte block,
+        flags) is written with one pack_into between its two sequence stores."""
+        raw = (block.detach() if block.requires_grad else block).numpy().tobytes()
+        mm, words, cap = self.mm, self.words, self.steps_capacity
+        scalar = isinstance(step, int) and isinstance(kv_len, int)
+        with self._lock:
+            pos = self.steps_head
+            offs = [self.steps_offset + ((pos + i) & (cap - 1)) * layout.STEP_RECORD.size for i in range(n)]
+            for i, off in enumerate(offs):
+                words[off >> 3] = 2 * (pos + i) + 1
+            self.steps_head = pos + n
+            words[_H["steps_head"] >> 3] = pos + n
+            for i, off in enumerate(offs):
+                _STEP_BODY.pack_into(
+                    mm, off + 8, step_seq, int(trace_hi[i]), int(trace_lo[i]), t_start, t_end,
+                    tenant_hash, session_hash, model_hash,
+                    step if scalar else int(_at(step, i)), int(position[i]), int(batch_row[i]),
+                    kv_len if scalar else int(_at(kv_len, i)), raw[28 * i : 28 * i + 28], flags,
+                )  # fmt: skip
+            for i, off in enumerate(offs):
+                words[off >> 3] = 2 * (pos + i) + 2
+
+    def _fill_many(
+        self,
+        slot,
+        first,
+        n,
+        step_seq,
+        t_start,
+        t_end,
+        trace_hi,
+        trace_lo,
+        tenant_hash,
+        session_hash,
+        model_hash,
+        step,
+        position,
+        batch_row,
+        kv_len,
+        flags,
+    ) -> None:
         values = {
             "step_seq": step_seq, "trace_id_hi": trace_hi, "trace_id_lo": trace_lo, "t_start_ns": t_start,
             "t_end_ns": t_end, "tenant_hash": tenant_hash, "session_hash": session_hash,
