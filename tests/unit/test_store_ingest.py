@@ -82,3 +82,15 @@ def test_the_bpf_layers_own_tables_append_as_they_are(tmp_path):
             {"pid": 5, "step_seq": 7, "probe": NAMES[1], "count": 10, "sum_value": 4096},
             {"pid": 5, "step_seq": 7, "probe": NAMES[2], "count": 3, "sum_value": 0},
         ]
+
+
+def test_an_unknown_kind_goes_to_host_events_as_unknown(tmp_path):
+    records = _records(10, seed=5, kinds=0)
+    records["kind"][3] = 9  # from a newer BPF program
+    decoded = EventDecoder(NAMES).decode(records)
+    assert decoded["mem_events"].num_rows == 9 and decoded["host_events"].num_rows == 1
+    with DuckDBStore(tmp_path / "k.duckdb") as store:
+        assert store.export(decoded).ok
+        assert store.query("SELECT kind, ts_ns FROM host_events").to_pylist() == [
+            {"kind": "unknown", "ts_ns": int(records["ts_ns"][3])}
+        ]
