@@ -8,18 +8,15 @@ int uprobe__alloc_cpu(struct pt_regs *ctx)
     return 0;
 }
 
-/* uretprobe of c10::alloc_cpu: remember pointer -> size, record the allocation. */
+/* uretprobe of c10::alloc_cpu: record the allocation, remember pointer -> size for free_cpu. */
 int uretprobe__alloc_cpu(struct pt_regs *ctx)
 {
-    u64 id = bpf_get_current_pid_tgid();
-    struct llmobs_call_key key = {.tid = (u32)id, .probe = LLMOBS_PROBE_alloc_cpu};
-    struct llmobs_start *start = llmobs_call_start.lookup(&key);
     u64 ptr = PT_REGS_RC(ctx);
+    struct llmobs_start *slot;
 
-    if (!start)
-        return 0;
-    if (ptr && llmobs_live_allocs.update(&ptr, &start->value))
-        llmobs_count(LLMOBS_CTR_START_OVERFLOW);
-    llmobs_call_return(LLMOBS_PROBE_alloc_cpu, LLMOBS_KIND_MEM);
+    slot = llmobs_close((u32)bpf_get_current_pid_tgid(), LLMOBS_PROBE_alloc_cpu, LLMOBS_KIND_MEM,
+                        bpf_ktime_get_ns());
+    if (slot && ptr && llmobs_live_allocs.update(&ptr, &slot->value))
+        llmobs_count(LLMOBS_CTR_START_LOST);
     return 0;
 }

@@ -15,30 +15,18 @@ struct llmobs_sched_switch_args {
     int next_prio;
 };
 
-/* Off-CPU intervals open for target threads, keyed by tid. */
-BPF_HASH(llmobs_offcpu_start, u32, struct llmobs_start, 16384);
-
 /* tracepoint sched:sched_switch: close the next thread's interval, open the previous one's. */
 int tracepoint_sched_switch(struct llmobs_sched_switch_args *args)
 {
     u64 now = bpf_ktime_get_ns();
-    u32 next = args->next_pid;
     u64 id = bpf_get_current_pid_tgid();
-    u32 prev = (u32)id;
-    struct llmobs_start *open = llmobs_offcpu_start.lookup(&next);
-    struct llmobs_start start = {};
+    struct llmobs_tag tag;
 
-    if (open) {
-        llmobs_record(open->pid, next, LLMOBS_PROBE_sched_switch, LLMOBS_KIND_HOST, &open->tag,
-                      open->ts_ns, open->value, now - open->ts_ns);
-        llmobs_offcpu_start.delete(&next);
-    }
-    if (prev == 0 || llmobs_read_tag(id >> 32, &start.tag) < 0)
+    /* every switch-in looks at one array slot; only target threads ever opened one */
+    llmobs_close(args->next_pid, LLMOBS_PROBE_sched_switch, LLMOBS_KIND_HOST, now);
+    if ((u32)id == 0 || llmobs_read_tag(id >> 32, &tag) < 0)
         return 0;
-    start.ts_ns = now;
-    start.pid = id >> 32;
-    start.value = args->prev_state == 0; /* TASK_RUNNING at switch-out: preempted */
-    if (llmobs_offcpu_start.update(&prev, &start))
-        llmobs_count(LLMOBS_CTR_START_OVERFLOW);
+    /* value: 1 when preempted (TASK_RUNNING at switch-out), 0 when the thread blocked */
+    llmobs_open(id >> 32, (u32)id, LLMOBS_PROBE_sched_switch, now, args->prev_state == 0, &tag);
     return 0;
 }

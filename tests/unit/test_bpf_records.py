@@ -47,6 +47,12 @@ def test_kind_and_counter_indices_match():
     assert [int(i) for _, i in c_counters] == list(range(len(COUNTERS)))
 
 
+def test_slot_counts_match():
+    from llmobs.bpf.program import TARGET_SLOTS
+
+    assert re.search(rf"#define LLMOBS_TARGET_SLOTS {TARGET_SLOTS}\b", HEADER)
+
+
 def test_mix64_known_values_and_constants():
     # splitmix64's finaliser: the constants in the C header are the ones used here
     assert "0xbf58476d1ce4e5b9ULL" in HEADER and "0x94d049bb133111ebULL" in HEADER

@@ -6,7 +6,6 @@ pid, the context-cell address and the sampling knobs live in maps, not in the co
 
 from __future__ import annotations
 
-import contextlib
 import ctypes as ct
 import os
 import re
@@ -16,11 +15,12 @@ from pathlib import Path
 from llmobs.bpf.libraries import ResolvedProbe
 from llmobs.bpf.profiles import PROBE_IDS, PROBES, Probe
 from llmobs.bpf.records import SAMPLE_MODES
-from llmobs.errors import MissingLibrary
+from llmobs.errors import MissingLibrary, NothingAttached
 
 BPF_DIR = Path(os.environ.get("LLMOBS_BPF_DIR", Path(__file__).resolve().parents[3] / "bpf"))
 DEFAULT_RING_BYTES = 16 << 20
 DEFAULT_AGG_ENTRIES = 65536
+TARGET_SLOTS = 4096  # LLMOBS_TARGET_SLOTS of bpf/llmobs_events.h
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
 
 
@@ -104,15 +104,24 @@ class ProbeProgram:
 
     def set_sampling(self, sample_n: int, mode: str) -> None:
         config = self.bpf[b"llmobs_config"]
-        config[ct.c_int(0)] = ct.c_uint64(max(sample_n, 1))
-        config[ct.c_int(1)] = ct.c_uint64(SAMPLE_MODES[mode])
+        config[ct.c_int(0)] = config.Leaf(max(sample_n, 1), SAMPLE_MODES[mode])
 
     def set_target(self, pid: int, cell_address: int) -> None:
-        self.bpf[b"llmobs_targets"][ct.c_uint32(pid)] = ct.c_uint64(cell_address)
+        """Makes pid a target (slot pid % TARGET_SLOTS); cell_address 0 tags its events untracked."""
+        table = self.bpf[b"llmobs_targets"]
+        slot = ct.c_int(pid % TARGET_SLOTS)
+        if table[slot].pid not in (0, pid):
+            raise NothingAttached(
+                f"pid {pid} shares its target slot with pid {table[slot].pid}, attached already",
+                hint="attach one of them at a time",
+            )
+        table[slot] = table.Leaf(pid, 0, cell_address)
 
     def remove_target(self, pid: int) -> None:
-        with contextlib.suppress(KeyError):
-            del self.bpf[b"llmobs_targets"][ct.c_uint32(pid)]
+        table = self.bpf[b"llmobs_targets"]
+        slot = ct.c_int(pid % TARGET_SLOTS)
+        if table[slot].pid == pid:
+            table[slot] = table.Leaf(0, 0, 0)
 
     def set_watched_fds(self, pid: int, fds: set[int]) -> None:
         """Replaces the (pid, fd) set the ioctl probe watches."""
@@ -133,14 +142,26 @@ class ProbeProgram:
 
     def reset_maps(self) -> None:
         """Empties every map a previous session filled, so a reused program starts from zero."""
-        for name in ("llmobs_aggs", "llmobs_call_start", "llmobs_live_allocs", "llmobs_targets"):
+        for name in ("llmobs_aggs", "llmobs_live_allocs"):
             self.bpf[name.encode()].clear()
-        for name in ("llmobs_offcpu_start", "llmobs_ioctl_fds"):
-            if self._has_table(name):  # only in the unit when its program file is
-                self.bpf[name.encode()].clear()
-        counters = self.bpf[b"llmobs_counters"]
-        for index in range(8):
-            counters[ct.c_int(index)] = counters.Leaf(*([0] * len(counters[ct.c_int(index)])))
+        if self._has_table("llmobs_ioctl_fds"):  # only in the unit when sys_ioctl.bpf.c is
+            self.bpf[b"llmobs_ioctl_fds"].clear()
+        self._zero_array("llmobs_call_start")
+        self._zero_array("llmobs_targets")
+        self._zero_array("llmobs_counters")
+
+    def _zero_array(self, name: str) -> None:
+        """Zeroes an array (or per-CPU array) map in one BPF_MAP_UPDATE_BATCH."""
+        table = self.bpf[name.encode()]
+        entries = table.max_entries
+        value_size = ct.sizeof(table.sLeaf if hasattr(table, "sLeaf") else table.Leaf)
+        if hasattr(table, "total_cpu"):  # per-CPU: one 8-byte-aligned value per possible CPU
+            value_size = ((value_size + 7) // 8 * 8) * table.total_cpu
+        keys = (ct.c_uint32 * entries)(*range(entries))
+        values = (ct.c_char * (value_size * entries))()
+        count = ct.c_uint32(entries)
+        if self.lib.bpf_update_batch(table.map_fd, keys, values, ct.byref(count)) != 0:
+            raise OSError(ct.get_errno(), f"zeroing {name}")
 
     def _has_table(self, name: str) -> bool:
         try:

@@ -14,7 +14,7 @@ FLAG_TORN = 2
 SAMPLE_MODES = {"trace": 0, "cpu": 1}
 
 # indices of llmobs_counters (LLMOBS_CTR_*)
-COUNTERS = ("ring_drops", "agg_overflow", "ctx_faults", "torn_reads", "start_overflow", "sampled")
+COUNTERS = ("ring_drops", "agg_overflow", "ctx_faults", "torn_reads", "start_lost", "sampled")
 
 EVENT_DTYPE = np.dtype(
     [

@@ -114,6 +114,11 @@ def summary(session, final: dict, reason: str, status: StatusLine) -> dict:
         "context_cell": session.cell_address,
         "attached_after_s": stats.attached_after_s,
         "first_event_after_s": stats.first_event_after_s,
+        "first_event_after_process_start_s": (
+            None
+            if stats.first_event_after_s is None
+            else stats.first_event_after_s + session.process_age_at_start_s
+        ),
         "elapsed_s": time.monotonic() - stats.started_at,
         "counters": final.get("counters", {}),
         "detach_problems": final.get("problems", []),
@@ -153,9 +158,10 @@ def print_summary(data: dict, stream: TextIO, last_steps: int = 10) -> None:
         file=stream,
     )
     if data["first_event_after_s"] is not None:
+        total, own = data["first_event_after_process_start_s"], data["first_event_after_s"]
         print(
-            f"first event {data['first_event_after_s']:.2f} s after start "
-            f"(attached after {data['attached_after_s']:.2f} s)",
+            f"first event {total:.2f} s after the agent started (attach began {total - own:.2f} s in; "
+            f"probes attached {data['attached_after_s']:.2f} s after that)",
             file=stream,
         )
     for problem in data["detach_problems"]:

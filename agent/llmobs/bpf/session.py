@@ -29,6 +29,15 @@ _CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
 REFRESH_S = 1.0  # how often the map address, watched fds and aggregate harvest are refreshed
 
 
+def _own_age_s(procfs: ProcFS) -> float:
+    """Seconds since this (the agent's) process started: attach latency counts from there."""
+    try:
+        started = procfs.start_time_ticks(os.getpid()) / os.sysconf("SC_CLK_TCK")
+        return max(time.clock_gettime(time.CLOCK_BOOTTIME) - started, 0.0)
+    except Exception:
+        return 0.0
+
+
 def require_privileges(procfs: ProcFS) -> None:
     """Root, or CAP_BPF + CAP_PERFMON (or CAP_SYS_ADMIN), else AccessDenied."""
     if os.geteuid() == 0:
@@ -107,6 +116,7 @@ class AttachSession:
         self._ncpus = 1
         self._closed = False
         self._final: dict | None = None
+        self.process_age_at_start_s = _own_age_s(self.procfs)
 
     # ---- start ------------------------------------------------------------------------------------------
     def check_target(self) -> list[MapEntry]:
