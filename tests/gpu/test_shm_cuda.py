@@ -1,0 +1,69 @@
+"""The publisher's CUDA path on a real GPU: device-side metrics, non_blocking copies into the pinned
+map, records committed only after their CUDA event, and no host sync added per step."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture
+def shm(tmp_path):
+    from llmobs.shm import writer as writer_module
+
+    writer_module.reset_writer()
+    writer_module.configure(shm_dir=str(tmp_path))
+    yield tmp_path
+    writer_module.reset_writer()
+    writer_module._writer_options.clear()
+
+
+def test_cuda_steps_commit_after_their_copy_and_match_cross_entropy(shm):
+    import llmobs
+    from llmobs.shm import layout
+    from llmobs.shm.reader import ShmReader
+    from llmobs.shm.writer import get_writer
+
+    torch.manual_seed(0)
+    logits = [torch.randn(2, 32000, device="cuda") for _ in range(50)]
+    targets = [torch.randint(0, 32000, (2,), device="cuda") for _ in range(50)]
+    with llmobs.request([[1, 2, 3], [4, 5, 6]]) as req:
+        for lg, tg in zip(logits, targets, strict=True):
+            req.begin_step()
+            req.step(lg, tg)
+    w = get_writer()
+    assert w._cuda_registered
+    torch.cuda.synchronize()
+    w.poll_pending()
+    assert not w._pending
+    with ShmReader(os.getpid(), shm_dir=str(shm)) as r:
+        b = r.read_steps(0)
+    assert (len(b), b.lost, b.corrupt) == (100, 0, 0)
+    expect = torch.cat(
+        [F.cross_entropy(lg, tg, reduction="none") for lg, tg in zip(logits, targets, strict=True)]
+    )
+    assert (abs(b.columns["loss"] - expect.cpu().numpy()) <= 1e-5).all()
+    assert (b.raw["flags"] & layout.FLAG_DEVICE_CUDA).all()
+
+
+def test_no_host_sync_per_step(shm):
+    import llmobs
+
+    lg = torch.randn(1, 32000, device="cuda")
+    tg = torch.randint(0, 32000, (1,), device="cuda")
+    with llmobs.request([1, 2, 3]) as req:
+        req.begin_step()
+        req.step(lg, tg)  # warm-up: pins the map, creates views
+        torch.cuda.set_sync_debug_mode("error")  # any synchronizing call in the step raises
+        try:
+            for _ in range(10):
+                req.begin_step()
+                req.step(lg, tg)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert llmobs.publisher.errors == 0
