@@ -108,17 +108,20 @@ LEFT JOIN gpu g USING (pid, step_seq)
 LEFT JOIN exact_passes x USING (pid, step_seq)
 """
 
-# Requests are derived from their token steps: one row per (pid, trace_id), refreshed for the
-# requests that have steps in the window just correlated.
-_REQUESTS_SQL = """
+# Requests are derived from their token steps: one row per (pid, trace_id, first_step_seq), refreshed
+# for the requests that have steps in the window just correlated. A request's tokens come from
+# consecutive forward passes, so step_seq - step is the same for all of them: the pass of its first
+# token (a request preempted for some passes would show up as two).
+_REQUEST_KEY = "step_seq - coalesce(step, 0)"
+_REQUESTS_SQL = f"""
 INSERT OR REPLACE INTO requests
-SELECT pid, trace_id, any_value(tenant), any_value(session), any_value(model_id),
-       min(t_start_ns), max(t_end_ns), count(*), avg(loss) FILTER (NOT isnan(loss))
+SELECT pid, trace_id, {_REQUEST_KEY} AS first_step_seq, any_value(tenant), any_value(session),
+       any_value(model_id), min(t_start_ns), max(t_end_ns), count(*), avg(loss) FILTER (NOT isnan(loss))
 FROM token_steps
-WHERE (pid, trace_id) IN (
-    SELECT DISTINCT pid, trace_id FROM token_steps
+WHERE (pid, trace_id, {_REQUEST_KEY}) IN (
+    SELECT DISTINCT pid, trace_id, {_REQUEST_KEY} FROM token_steps
     WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid))
-GROUP BY pid, trace_id
+GROUP BY ALL
 """
 
 

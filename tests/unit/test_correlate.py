@@ -179,3 +179,17 @@ def test_incremental_correlation_only_touches_the_window(store):
     correlate(store.connection)
     assert _rollups(store, 500)[first["step_seq"]]["allocations"] == 3
     assert store.count("step_rollups") == 6
+
+
+def test_a_repeated_prompt_is_two_requests_though_its_trace_id_repeats(store):
+    # The workload derives the trace id from the prompt: the same prompt twice gives the same trace id.
+    steps = synthetic.token_steps(pid=600, requests=2, tokens_per_request=4, seed=9)
+    same = steps["trace_id"][0].as_py()
+    steps = steps.set_column(steps.schema.get_field_index("trace_id"), "trace_id", pa.array([same] * 8))
+    assert store.export({"token_steps": steps}).ok
+    stats = correlate(store.connection)
+    assert stats.requests == 2
+    rows = store.query(
+        "SELECT trace_id, first_step_seq, tokens FROM requests ORDER BY first_step_seq"
+    ).to_pylist()
+    assert [(r["trace_id"], r["first_step_seq"], r["tokens"]) for r in rows] == [(same, 1, 4), (same, 5, 4)]

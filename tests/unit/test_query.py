@@ -159,3 +159,16 @@ def test_missing_and_corrupt_stores(tmp_path, capsys):
     junk.write_bytes(b"\x00garbage" * 512)
     code, _, err = _run(capsys, "SELECT 1", "--db", str(junk))
     assert code == ExitCode.STORE_ERROR and err.startswith("error: cannot open") and "Traceback" not in err
+
+
+def test_requests_with_the_same_trace_id_count_separately(tmp_path, capsys):
+    steps = synthetic.token_steps(
+        pid=1, requests=3, tokens_per_request=4, tenants=("t",), sessions_per_tenant=1
+    )
+    same = steps["trace_id"][0].as_py()
+    steps = steps.set_column(steps.schema.get_field_index("trace_id"), "trace_id", pa.array([same] * 12))
+    with DuckDBStore(tmp_path / "r.duckdb") as store:
+        assert store.export({"token_steps": steps}).ok
+    code, out, _ = _run(capsys, "--by-tenant", "--db", str(tmp_path / "r.duckdb"), "--format", "json")
+    assert code == 0
+    assert json.loads(out)[0]["requests"] == 3 and json.loads(out)[0]["concurrency"] == 1

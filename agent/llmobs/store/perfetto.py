@@ -113,16 +113,17 @@ def write_perfetto(
             name_process(row["pid"], f"{row['exe']} (pid {row['pid']})" if row["exe"] else None)
 
         # Request tracks and token-step slices, ordered by request so each track is written in one run.
-        request_tracks: dict[tuple[int, str], int] = {}
+        request_tracks: dict[tuple[int, str, int], int] = {}
         steps_sql = """
             SELECT t.*, r.launches, r.allocations, r.alloc_bytes, r.frees, r.off_cpu_ns, r.page_faults,
                    r.compute_calls, r.gpu_ns
             FROM token_steps t LEFT JOIN step_rollups r USING (pid, step_seq)
             WHERE t.t_end_ns >= ? AND t.t_start_ns <= ?
-            ORDER BY t.pid, t.trace_id, t.step
+            ORDER BY t.pid, t.trace_id, t.step_seq - coalesce(t.step, 0), t.step
         """
         for row in _rows(conn, steps_sql, [lo, hi]):
-            key = (row["pid"], row["trace_id"])
+            # A request is (pid, trace id, its first token's pass): the trace id repeats with the prompt.
+            key = (row["pid"], row["trace_id"], row["step_seq"] - (row["step"] or 0))
             tid = request_tracks.get(key)
             if tid is None:
                 name_process(row["pid"])

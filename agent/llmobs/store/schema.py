@@ -57,9 +57,13 @@ MIGRATIONS: tuple[Migration, ...] = (
                 last_seen_ns BIGINT,
                 exit_ns BIGINT,
                 PRIMARY KEY (pid, start_ns))""",
+            # A request is (pid, trace_id, first_step_seq): the trace id alone is not unique, since the
+            # workload derives it from the prompt (a repeated prompt repeats it); first_step_seq is
+            # step_seq - step, the forward pass of the request's first token.
             """CREATE TABLE requests (
                 pid INTEGER NOT NULL,
                 trace_id VARCHAR NOT NULL,
+                first_step_seq BIGINT NOT NULL,
                 tenant VARCHAR,
                 session VARCHAR,
                 model_id VARCHAR,
@@ -67,7 +71,7 @@ MIGRATIONS: tuple[Migration, ...] = (
                 t_end_ns BIGINT,
                 tokens BIGINT,
                 mean_loss DOUBLE,
-                PRIMARY KEY (pid, trace_id))""",
+                PRIMARY KEY (pid, trace_id, first_step_seq))""",
             """CREATE TABLE token_steps (
                 pid INTEGER NOT NULL,
                 step_seq BIGINT NOT NULL,

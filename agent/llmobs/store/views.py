@@ -7,6 +7,8 @@ steps not yet rolled up.
 
 from __future__ import annotations
 
+# A request instance: the trace id repeats with the prompt, the first token's forward pass does not.
+REQUEST_KEY = "step_seq - coalesce(step, 0)"
 # Optional filters shared by the views; a NULL parameter means "no filter".
 _FILTER = "($tenant IS NULL OR tenant = $tenant) AND ($session IS NULL OR session = $session)"
 
@@ -74,7 +76,8 @@ def top_probes(limit: int = 50):
 def _usage(group_columns: tuple[str, ...], tenant: str | None, session: str | None):
     """Token usage, per-token latency p50/p99, mean loss and peak concurrency per group.
 
-    Concurrency is the largest number of requests (pid, trace_id) in flight at once: +1 at a request's
+    A request is (pid, trace_id, step_seq - step): trace ids repeat when prompts do (see `requests` in
+    docs/store-schema.md). Concurrency is the largest number of requests in flight at once: +1 at a request's
     first token start, -1 at its last token end, a running sum ordered by time (ends before starts at
     equal times, so back-to-back requests do not count as overlapping).
     """
@@ -82,7 +85,8 @@ def _usage(group_columns: tuple[str, ...], tenant: str | None, session: str | No
     sql = f"""
     WITH steps AS (SELECT * FROM token_steps WHERE {_FILTER}),
     req AS (
-        SELECT {group}, pid, trace_id, min(t_start_ns) AS s, max(t_end_ns) AS e FROM steps GROUP BY ALL
+        SELECT {group}, pid, trace_id, {REQUEST_KEY} AS first_seq, min(t_start_ns) AS s, max(t_end_ns) AS e
+        FROM steps GROUP BY ALL
     ),
     edges AS (
         SELECT {group}, s AS t, 1 AS d FROM req UNION ALL SELECT {group}, e AS t, -1 AS d FROM req
@@ -92,7 +96,7 @@ def _usage(group_columns: tuple[str, ...], tenant: str | None, session: str | No
         FROM edges
     ),
     concurrency AS (SELECT {group}, max(c) AS concurrency FROM running GROUP BY ALL)
-    SELECT {group}, count(DISTINCT (pid, trace_id)) AS requests, count(*) AS tokens,
+    SELECT {group}, count(DISTINCT (pid, trace_id, {REQUEST_KEY})) AS requests, count(*) AS tokens,
         round(count(*) / nullif((max(t_end_ns) - min(t_start_ns)) / 1e9, 0), 2) AS tokens_per_s,
         round(quantile_cont(latency_ns, 0.5) / 1e6, 3) AS p50_ms,
         round(quantile_cont(latency_ns, 0.99) / 1e6, 3) AS p99_ms,
