@@ -20,10 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from llmobs.bpf.profiles import PROBES
-from llmobs.bpf.records import KINDS, trace_hex
+from llmobs.bpf.records import KINDS, trace_runs
 
 EVENT_SCHEMA = pa.schema(
     [
@@ -52,19 +53,19 @@ def companion_paths(out: str | Path) -> tuple[Path, Path, Path]:
 
 
 def events_table(events: np.ndarray, sample_ratio: int) -> pa.Table:
-    """Decoded columns of a batch; strings via dictionary decode, not a Python call per event."""
-    probe = pa.DictionaryArray.from_arrays(pa.array(events["probe"].astype(np.int32)), _PROBE_NAMES)
-    kind = pa.DictionaryArray.from_arrays(pa.array(events["kind"].astype(np.int32)), _KIND_NAMES)
+    """Decoded columns of a batch, all built by numpy / Arrow kernels: names via `take` on the probe
+    and kind codes, trace ids formatted once per run of equal ids."""
+    texts, runs = trace_runs(events["trace_id_hi"], events["trace_id_lo"])
     return pa.table(
         [
             pa.array(events["pid"]),
             pa.array(events["tid"]),
             pa.array(events["cpu"]),
             pa.array(events["ts_ns"]),
-            probe.cast(pa.string()),
-            kind.cast(pa.string()),
+            pc.take(_PROBE_NAMES, pa.array(events["probe"])),
+            pc.take(_KIND_NAMES, pa.array(events["kind"])),
             pa.array(events["step_seq"]),
-            pa.array(trace_hex(events["trace_id_hi"], events["trace_id_lo"]), pa.string()),
+            pc.take(pa.array(texts, pa.string()), pa.array(runs)),
             pa.array(events["value"]),
             pa.array(events["duration_ns"]),
             pa.array(np.full(len(events), sample_ratio, dtype=np.uint32)),

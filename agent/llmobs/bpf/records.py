@@ -65,13 +65,28 @@ def trace_kept(trace_id_hi: int, trace_id_lo: int, sample_n: int) -> bool:
     return mix64(trace_id_hi ^ mix64(trace_id_lo)) % sample_n == 0
 
 
+def trace_runs(hi: np.ndarray, lo: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(hex text of each run of equal trace ids, run index of each event). Events come in runs (a
+    request's events are consecutive), so only the first event of a run is formatted."""
+    hi = np.asarray(hi, dtype=np.uint64)
+    lo = np.asarray(lo, dtype=np.uint64)
+    if not len(hi):
+        return [], np.zeros(0, dtype=np.int32)
+    change = np.empty(len(hi), dtype=bool)
+    change[0] = True
+    change[1:] = (hi[1:] != hi[:-1]) | (lo[1:] != lo[:-1])
+    starts = np.flatnonzero(change)
+    formatted: dict[tuple[int, int], str] = {(0, 0): ""}
+    texts = []
+    for pair in zip(hi[starts].tolist(), lo[starts].tolist(), strict=True):
+        text = formatted.get(pair)
+        if text is None:
+            text = formatted[pair] = f"{pair[0]:016x}{pair[1]:016x}"
+        texts.append(text)
+    return texts, (np.cumsum(change) - 1).astype(np.int32)
+
+
 def trace_hex(hi: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    """32-char lowercase hex trace ids ("" where the id is 0); formats each distinct id once."""
-    pairs = np.empty(len(hi), dtype=[("hi", "<u8"), ("lo", "<u8")])
-    pairs["hi"] = hi
-    pairs["lo"] = lo
-    unique, inverse = np.unique(pairs, return_inverse=True)
-    texts = np.array(
-        ["" if (h == 0 and lo_ == 0) else f"{h:016x}{lo_:016x}" for h, lo_ in unique.tolist()], dtype=object
-    )
-    return texts[inverse.reshape(-1)] if len(hi) else np.array([], dtype=object)
+    """32-char lowercase hex trace ids ("" where the id is 0), as an object array."""
+    texts, runs = trace_runs(hi, lo)
+    return np.array(texts, dtype=object)[runs] if len(runs) else np.array([], dtype=object)
