@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "attach": ("llmobs.commands.attach", "attach eBPF probes to a running PyTorch process"),
     "query": ("llmobs.commands.query", "SQL or a canned view (slowest steps, probes, tenants) over the store"),
     "export": ("llmobs.commands.export", "export the store to Parquet (one file per table) or a Perfetto trace"),
+    "otlp": ("llmobs.commands.otlp", "export the store over OTLP (gRPC/HTTP) to Tempo or any OTel backend"),
     "trace": ("llmobs.commands.trace", "collect CUPTI GPU activity of a process for K token steps"),
 }
 

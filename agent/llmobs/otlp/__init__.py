@@ -1,0 +1,22 @@
+"""OTLP export of the store: traces (request -> token steps -> sampled probe events) and metrics.
+
+Modules, one job each: config (flags > env > file > default), source (the export cursor over the store),
+encoder (rows -> OTLP trace protobuf), metrics (cumulative histograms/sums with exemplars), transport
+(gRPC or HTTP/protobuf, one try per call), backoff (jittered, interruptible), delivery (the loop that
+ties them: bounded, at-least-once, counted). docs/otlp.md documents the mapping and the cursor tables.
+"""
+
+from __future__ import annotations
+
+from llmobs.otlp.config import OtlpConfig, resolve
+from llmobs.otlp.delivery import ExportCounters, ExportFailed, OtlpExporter
+
+__all__ = ["ExportCounters", "ExportFailed", "OtlpConfig", "OtlpExporter", "resolve", "start_exporter"]
+
+
+def start_exporter(store, config: OtlpConfig) -> OtlpExporter:
+    """Follow a live DuckDBStore from a background thread on its own DuckDB connection (for `attach
+    --otlp` and the daemon); call `.shutdown()` on the result before closing the store."""
+    exporter = OtlpExporter(store.connection.cursor(), config)
+    exporter.start()
+    return exporter

@@ -1,0 +1,254 @@
+"""The OTLP exporter: a cursor over the store, one bounded batch in flight, retried until acknowledged.
+
+Loop: read the next batch of unexported rows (source.ExportCursor) -> encode (encoder.TraceEncoder) ->
+send (transport) -> on ack, commit the cursor and feed the metrics; on a retryable failure wait a
+jittered exponential backoff (interrupted at once by `shutdown`) and send the same batch again.
+
+Guarantees:
+- at-least-once: the cursor moves only after an ack, in the same transaction as the request state, so an
+  agent killed at any point resumes from the last acked batch; duplicates are limited to a batch whose
+  ack was lost (span ids are deterministic, so the backend can drop them).
+- bounded memory: nothing is queued; while the collector is down the rows wait in the store, and the
+  exporter holds one batch (<= batch_spans steps, their events capped per span) whatever the backlog.
+- counted: spans sent (acked), failed (spans in failed attempts, each attempt counted), dropped (the
+  collector rejected them for good: a partial success or a non-retryable "bad data" answer).
+- never raises into the pipeline from `export_pending`; `run()` raises ExportFailed only for a
+  one-shot export that cannot finish (collector unreachable past `give_up_after_s`, or refused for a
+  configuration reason such as authentication).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass
+
+import duckdb
+
+from llmobs import clock
+from llmobs.errors import LlmobsError
+from llmobs.otlp.backoff import Backoff
+from llmobs.otlp.config import OtlpConfig
+from llmobs.otlp.encoder import SpanIds, TraceEncoder
+from llmobs.otlp.metrics import MetricsAggregator
+from llmobs.otlp.source import ExportCursor, StepBatch
+from llmobs.otlp.transport import SendResult, Transport, make_transport
+
+log = logging.getLogger("llmobs.otlp")
+
+# Answers that mean "fix the configuration", not "this data is bad": keep the rows, do not drop them.
+_CONFIG_ERRORS = (
+    "UNAUTHENTICATED",
+    "PERMISSION_DENIED",
+    "UNIMPLEMENTED",
+    "NOT_FOUND",
+    "HTTP 401",
+    "HTTP 403",
+    "HTTP 404",
+    "HTTP 405",
+)
+
+
+class ExportFailed(LlmobsError):
+    exit_code = 12
+    default_hint = (
+        "check that the collector is up and reachable (--endpoint, --protocol); rows stay in the store"
+    )
+
+
+@dataclass
+class ExportCounters:
+    spans_sent: int = 0  # acknowledged by the collector (minus any it rejected)
+    spans_failed: int = 0  # spans in attempts that failed; a batch tried 3 times counts 3 times
+    spans_dropped: int = 0  # rejected for good (partial success, or a non-retryable bad-data answer)
+    batches_sent: int = 0
+    attempts_failed: int = 0
+    retries: int = 0
+    metrics_sent: int = 0
+    metrics_failed: int = 0
+    max_batch_spans: int = 0  # memory bound, observed: the largest batch held in flight
+    max_batch_bytes: int = 0
+    last_error: str | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class OtlpExporter:
+    """Exports a store's token steps, requests, probe events and metrics over OTLP."""
+
+    def __init__(
+        self,
+        conn: duckdb.DuckDBPyConnection,
+        config: OtlpConfig,
+        transport: Transport | None = None,
+        stop: threading.Event | None = None,
+    ):
+        self.config = config
+        self.cursor = ExportCursor(conn)
+        self.stop = stop or threading.Event()
+        self.transport = transport or make_transport(config)
+        self.counters = ExportCounters()
+        self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, stop=self.stop)
+        self.ids = SpanIds(
+            config.trace_id_mode, self.cursor.salt() if config.trace_id_mode == "random" else b""
+        )
+        offset = self.cursor.wall_offset_ns()
+        self.encoder = TraceEncoder(self.ids, offset, config.service_name, config.resource_attributes)
+        resource = {k: v for k, v in self.encoder.resource(0, {}, None).items() if k != "process.pid"}
+        self.metrics = MetricsAggregator(self.ids, offset, clock.realtime_ns(), resource)
+        newest = self.cursor.newest_step_ns()
+        # Settling by the agent's clock only makes sense for a store written on this boot.
+        self._same_boot = newest is None or newest <= clock.monotonic_ns()
+        self._last_metrics_ns = clock.monotonic_ns()
+        self._metrics_dirty = False
+        self._thread: threading.Thread | None = None
+
+    # -- one batch -------------------------------------------------------------------------------------
+
+    def _next_batch(self, follow: bool) -> StepBatch:
+        config = self.config
+        now = clock.monotonic_ns()
+        cutoff = now - int(config.settle_s * 1e9) if follow and self._same_boot else None
+        return self.cursor.next_batch(
+            config.batch_spans,
+            config.max_events_per_span,
+            cutoff_ns=cutoff,
+            request_idle_ns=int(config.request_idle_s * 1e9),
+            now_ns=now if self._same_boot else None,
+            flush=not follow,
+        )
+
+    def _deliver(self, batch: StepBatch, give_up_at_ns: int | None) -> bool:
+        """Send `batch` until acked (True) or stopped / given up / refused by configuration (False)."""
+        request = self.encoder.encode(batch)
+        spans = batch.span_count
+        size = request.ByteSize()
+        self.counters.max_batch_spans = max(self.counters.max_batch_spans, spans)
+        self.counters.max_batch_bytes = max(self.counters.max_batch_bytes, size)
+        while True:
+            result = self.transport.send_traces(request)
+            if result.ok:
+                self._acked(batch, spans, result)
+                return True
+            self.counters.attempts_failed += 1
+            self.counters.spans_failed += spans
+            self.counters.last_error = result.error
+            if not result.retryable:
+                if any(marker in (result.error or "") for marker in _CONFIG_ERRORS):
+                    log.error("collector refused the export: %s", result.error)
+                    raise ExportFailed(
+                        f"the collector refused the export ({result.error})",
+                        hint="check --header / OTEL_EXPORTER_OTLP_HEADERS, TLS and the URL",
+                    )
+                # Bad data: retrying cannot help and would block every later row; count and move on.
+                log.error("collector rejected %d spans for good: %s", spans, result.error)
+                self.counters.spans_dropped += spans
+                self.cursor.commit(batch)
+                return True
+            if give_up_at_ns is not None and clock.monotonic_ns() >= give_up_at_ns:
+                return False
+            log.warning("export failed (%s); retrying", result.error)
+            if not self.backoff.wait(result.retry_after_s):
+                return False
+            self.counters.retries += 1
+
+    def _acked(self, batch: StepBatch, spans: int, result: SendResult) -> None:
+        rejected = min(result.rejected, spans)
+        if rejected:
+            log.warning("collector rejected %d of %d spans: %s", rejected, spans, result.error)
+        self.cursor.commit(batch)
+        self.counters.spans_sent += spans - rejected
+        self.counters.spans_dropped += rejected
+        self.counters.batches_sent += 1
+        self.backoff.reset()
+        try:
+            self.metrics.observe(batch)
+            self._metrics_dirty = True
+        except Exception as exc:  # metrics are derived; a bug there must not stop the spans
+            self.counters.last_error = f"metrics: {exc}"
+            log.exception("metrics aggregation failed")
+
+    # -- loops -----------------------------------------------------------------------------------------
+
+    def export_pending(self, follow: bool = False, give_up_at_ns: int | None = None) -> int:
+        """Export batches until none is ready; return the spans acked. False from a batch ends early."""
+        exported = 0
+        while not self.stop.is_set():
+            batch = self._next_batch(follow)
+            if batch.span_count == 0:
+                break
+            before = self.counters.spans_sent + self.counters.spans_dropped
+            if not self._deliver(batch, give_up_at_ns):
+                break
+            exported += self.counters.spans_sent + self.counters.spans_dropped - before
+            self.maybe_send_metrics()
+        return exported
+
+    def maybe_send_metrics(self, force: bool = False) -> SendResult | None:
+        now = clock.monotonic_ns()
+        due = now - self._last_metrics_ns >= self.config.metrics_interval_s * 1e9
+        if not self._metrics_dirty or not (force or due):
+            return None
+        request = self.metrics.encode(clock.realtime_ns())
+        self._last_metrics_ns = now
+        if request is None:
+            return None
+        result = self.transport.send_metrics(request)
+        if result.ok:
+            self.counters.metrics_sent += 1
+            self._metrics_dirty = False  # cumulative: a failed send is made good by the next one
+        else:
+            self.counters.metrics_failed += 1
+            self.counters.last_error = result.error
+        return result
+
+    def run(self, follow: bool = False, give_up_after_s: float | None = 60.0) -> ExportCounters:
+        """One-shot (export everything, flush open requests, send metrics) or follow until `shutdown`."""
+        if follow:
+            while not self.stop.is_set():
+                try:
+                    self.export_pending(follow=True)
+                    self.maybe_send_metrics()
+                except ExportFailed as exc:  # keep the rows; try again later, loudly
+                    log.error("%s", exc)
+                    self.backoff.wait()
+                    continue
+                except duckdb.Error as exc:  # e.g. the store is being compacted: try the next poll
+                    self.counters.last_error = f"store: {str(exc).splitlines()[0]}"
+                    log.error("%s", self.counters.last_error)
+                self.stop.wait(self.config.poll_interval_s)
+            self.maybe_send_metrics(force=True)
+            return self.counters
+        give_up = None if give_up_after_s is None else clock.monotonic_ns() + int(give_up_after_s * 1e9)
+        self.export_pending(follow=False, give_up_at_ns=give_up)
+        self.maybe_send_metrics(force=True)
+        remaining = self.cursor.pending_steps()
+        if remaining and not self.stop.is_set():
+            raise ExportFailed(
+                f"{remaining} token steps not exported: {self.counters.last_error or 'collector unreachable'}"
+            )
+        return self.counters
+
+    def start(self) -> threading.Thread:
+        """Follow in a background thread (how `attach --otlp` runs it next to the ingest)."""
+        self._thread = threading.Thread(
+            target=self.run, kwargs={"follow": True}, name="llmobs-otlp", daemon=True
+        )
+        self._thread.start()
+        return self._thread
+
+    def shutdown(self, timeout: float | None = 5.0) -> ExportCounters:
+        """Stop retrying at once (the backoff wait is interrupted), join the thread, close the transport."""
+        self.stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.transport.close()
+        return self.counters
+
+    def status(self) -> dict:
+        return {
+            **self.counters.as_dict(),
+            **self.cursor.counts(),
+            "pending_steps": self.cursor.pending_steps(),
+        }

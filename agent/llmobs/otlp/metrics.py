@@ -1,0 +1,220 @@
+"""Metrics from exported batches: cumulative histograms and sums with exemplars pointing at spans.
+
+Fed only with batches the collector acknowledged (so a retried batch is counted once) and sent every
+`metrics_interval_s`. Cumulative temporality, starting when the exporter started: a failed metrics send
+loses nothing, the next one carries the totals; an agent restart shows as a counter reset (new start
+time), which Prometheus-compatible stores handle.
+
+Cardinality: attributes are model, tenant and kernel *class*; kernel names (unbounded: templated C++
+names) appear only on spans. Each histogram bucket keeps its latest exemplar (trace id, span id, value)
+so a dashboard can jump from a slow bucket to a span.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, field
+
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from opentelemetry.proto.metrics.v1 import metrics_pb2
+
+from llmobs.otlp.encoder import SCOPE_NAME, SCOPE_VERSION, SpanIds, key_values
+from llmobs.otlp.source import StepBatch
+
+# Bucket boundaries: the GenAI conventions' advice for time per output token; powers of 4 for counts.
+TIME_PER_TOKEN_BOUNDS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+LOSS_BOUNDS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+COUNT_BOUNDS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)
+
+# Kernel name -> class, first match wins. Names come from CUPTI (demangled or not).
+KERNEL_CLASSES = (
+    ("attention", re.compile(r"attn|attention|fmha|flash|sdpa", re.I)),
+    ("gemm", re.compile(r"gemm|matmul|cutlass|cublas|xmma|\bmm\b|ampere_.*_tn|sm\d+_xmma", re.I)),
+    ("collective", re.compile(r"nccl", re.I)),
+    ("softmax", re.compile(r"softmax", re.I)),
+    ("norm", re.compile(r"norm", re.I)),
+    ("reduction", re.compile(r"reduce|reduction", re.I)),
+    ("copy", re.compile(r"memcpy|copy", re.I)),
+    ("memset", re.compile(r"memset|fill", re.I)),
+    ("elementwise", re.compile(r"elementwise|vectorized|unrolled|pointwise", re.I)),
+)
+
+
+def kernel_class(name: str) -> str:
+    for label, pattern in KERNEL_CLASSES:
+        if pattern.search(name or ""):
+            return label
+    return "other"
+
+
+@dataclass
+class Exemplar:
+    value: float
+    time_ns: int
+    trace_id: bytes
+    span_id: bytes
+
+
+@dataclass
+class HistogramPoint:
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    count: int = 0
+    low: float = float("inf")
+    high: float = float("-inf")
+    exemplars: dict[int, Exemplar] = field(default_factory=dict)  # bucket index -> latest
+
+    def __post_init__(self):
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def record(self, value: float, exemplar: Exemplar | None) -> None:
+        index = bisect.bisect_left(self.bounds, value)  # OTLP buckets are (lower, upper]
+        self.counts[index] += 1
+        self.total += value
+        self.count += 1
+        self.low = min(self.low, value)
+        self.high = max(self.high, value)
+        if exemplar is not None:
+            self.exemplars[index] = exemplar
+
+
+@dataclass
+class SumPoint:
+    value: float = 0.0
+    exemplar: Exemplar | None = None
+
+
+Attrs = tuple[tuple[str, str], ...]
+
+
+class MetricsAggregator:
+    """Holds cumulative state per (instrument, attribute set); `observe` a batch, `encode` a request."""
+
+    def __init__(self, ids: SpanIds, wall_offset_ns: int, start_wall_ns: int, resource: dict[str, object]):
+        self.ids = ids
+        self.offset = wall_offset_ns
+        self.start_wall_ns = start_wall_ns
+        self.resource = resource
+        self.histograms: dict[str, dict[Attrs, HistogramPoint]] = {}
+        self.sums: dict[str, dict[Attrs, SumPoint]] = {}
+        self.observed_batches = 0
+
+    def _hist(self, name: str, attrs: Attrs, bounds) -> HistogramPoint:
+        series = self.histograms.setdefault(name, {})
+        point = series.get(attrs)
+        if point is None:
+            point = series[attrs] = HistogramPoint(tuple(float(b) for b in bounds))
+        return point
+
+    def _sum(self, name: str, attrs: Attrs) -> SumPoint:
+        return self.sums.setdefault(name, {}).setdefault(attrs, SumPoint())
+
+    def observe(self, batch: StepBatch) -> None:
+        first_span: dict[tuple[int, int], Exemplar] = {}
+        for step in batch.steps:
+            pid, trace_hex = step["pid"], step["trace_id"]
+            trace_id = self.ids.trace_id(pid, trace_hex)
+            span_id = self.ids.step_span_id(pid, trace_hex, step["step_seq"], step["batch_row"])
+            time_ns = step["t_end_ns"] + self.offset
+            model = step["model_id"] or ""
+            tenant = step["tenant"] or ""
+            by_model: Attrs = (("gen_ai.request.model", model),)
+            latency_s = (step["latency_ns"] or (step["t_end_ns"] - step["t_start_ns"])) / 1e9
+            self._hist("gen_ai.server.time_per_output_token", by_model, TIME_PER_TOKEN_BOUNDS).record(
+                latency_s, Exemplar(latency_s, time_ns, trace_id, span_id)
+            )
+            loss = step["loss"]
+            if loss is not None and loss == loss:
+                self._hist("llmobs.token.loss", by_model, LOSS_BOUNDS).record(
+                    float(loss), Exemplar(float(loss), time_ns, trace_id, span_id)
+                )
+            tokens = self._sum("llmobs.tokens", (("gen_ai.request.model", model), ("llmobs.tenant", tenant)))
+            tokens.value += 1
+            tokens.exemplar = Exemplar(1.0, time_ns, trace_id, span_id)
+            first_span.setdefault((pid, step["step_seq"]), Exemplar(0.0, time_ns, trace_id, span_id))
+        for key, rollup in batch.rollups.items():
+            ex = first_span.get(key)
+            if ex is None:
+                continue
+            for column, name in (
+                ("launches", "llmobs.step.launches"),
+                ("allocations", "llmobs.step.allocations"),
+            ):
+                value = float(rollup[column] or 0)
+                self._hist(name, (), COUNT_BOUNDS).record(
+                    value, Exemplar(value, ex.time_ns, ex.trace_id, ex.span_id)
+                )
+        for row in batch.gpu_time:
+            ex = first_span.get((row["pid"], row["step_seq"]))
+            seconds = (row["gpu_ns"] or 0) / 1e9
+            point = self._sum("llmobs.gpu.time", (("llmobs.kernel.class", kernel_class(row["name"])),))
+            point.value += seconds
+            if ex is not None:
+                point.exemplar = Exemplar(seconds, ex.time_ns, ex.trace_id, ex.span_id)
+        self.observed_batches += 1
+
+    def encode(self, now_wall_ns: int) -> ExportMetricsServiceRequest | None:
+        if not self.histograms and not self.sums:
+            return None
+        request = ExportMetricsServiceRequest()
+        resource_metrics = request.resource_metrics.add()
+        resource_metrics.resource.attributes.extend(key_values(self.resource))
+        scope = resource_metrics.scope_metrics.add()
+        scope.scope.name = SCOPE_NAME
+        scope.scope.version = SCOPE_VERSION
+        for name, series in self.histograms.items():
+            metric = scope.metrics.add()
+            metric.name = name
+            metric.unit, metric.description = _DESCRIPTIONS[name]
+            metric.histogram.aggregation_temporality = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
+            for attrs, point in series.items():
+                dp = metric.histogram.data_points.add()
+                dp.attributes.extend(key_values(dict(attrs)))
+                dp.start_time_unix_nano = self.start_wall_ns
+                dp.time_unix_nano = now_wall_ns
+                dp.count = point.count
+                dp.sum = point.total
+                dp.min = point.low
+                dp.max = point.high
+                dp.explicit_bounds.extend(point.bounds)
+                dp.bucket_counts.extend(point.counts)
+                for ex in point.exemplars.values():
+                    _add_exemplar(dp.exemplars.add(), ex)
+        for name, series in self.sums.items():
+            metric = scope.metrics.add()
+            metric.name = name
+            metric.unit, metric.description = _DESCRIPTIONS[name]
+            metric.sum.aggregation_temporality = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
+            metric.sum.is_monotonic = True
+            for attrs, point in series.items():
+                dp = metric.sum.data_points.add()
+                dp.attributes.extend(key_values(dict(attrs)))
+                dp.start_time_unix_nano = self.start_wall_ns
+                dp.time_unix_nano = now_wall_ns
+                if name == "llmobs.tokens":
+                    dp.as_int = int(point.value)
+                else:
+                    dp.as_double = point.value
+                if point.exemplar is not None:
+                    _add_exemplar(dp.exemplars.add(), point.exemplar)
+        return request
+
+
+def _add_exemplar(target, ex: Exemplar) -> None:
+    target.time_unix_nano = ex.time_ns
+    target.as_double = ex.value
+    target.trace_id = ex.trace_id
+    target.span_id = ex.span_id
+
+
+_DESCRIPTIONS = {
+    "gen_ai.server.time_per_output_token": ("s", "Time per generated token (decode latency of its step)"),
+    "llmobs.token.loss": ("1", "Per-token cross-entropy loss (nats) where the target is known"),
+    "llmobs.step.launches": ("{launch}", "GPU kernel launches per forward pass"),
+    "llmobs.step.allocations": ("{allocation}", "Memory allocations per forward pass"),
+    "llmobs.tokens": ("{token}", "Tokens generated, by tenant and model"),
+    "llmobs.gpu.time": ("s", "GPU device time by kernel class (CUPTI)"),
+}
