@@ -112,7 +112,10 @@ class ActivityDecoder:
         if kind == p.KIND_MEMORY2:
             start = end = self.to_mono(int(act.timestamp))
         else:
-            start, end = self.to_mono(int(act.start)), self.to_mono(int(act.end))
+            # the start is mapped; the duration is kept as CUPTI measured it (mapping both ends would
+            # round it by a nanosecond either way for a drift nobody can see inside one kernel)
+            start = self.to_mono(int(act.start))
+            end = start + max(0, int(act.end) - int(act.start))
         device = int(getattr(act, "device_id", p.NO_DEVICE)) if kind not in p.API_KINDS else p.NO_DEVICE
         stream = int(getattr(act, "stream_id", 0) or 0) if kind not in p.API_KINDS else 0
         return (step, start, end, int(act.correlation_id), self.name_hash(act), kind,

@@ -244,7 +244,8 @@ def _ms(ns: float) -> str:
     return f"{ns / 1e6:.3f}"
 
 
-def print_report(result: dict, top: int = 10, out=sys.stdout) -> None:
+def print_report(result: dict, top: int = 10, out=None) -> None:
+    out = out if out is not None else sys.stdout
     s = result["summary"]
     cap = result["capture"]
     print(
