@@ -27,6 +27,8 @@ def attached(session, stream: TextIO = sys.stderr) -> None:
         print(f"attached {probe.name:<16} {site}{timed}", file=stream)
     for skipped in session.skipped:
         print(f"skipped  {skipped.probe.name:<16} {skipped.reason}", file=stream)
+    for note in session.notes:
+        print(f"note: {note}", file=stream)
     tag = (
         f"context cell at {session.cell_address:#x}"
         if session.cell_address

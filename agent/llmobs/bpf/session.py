@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmobs.bpf import aggregates
+from llmobs.bpf.cleanup import remove_stale_uprobes
 from llmobs.bpf.libraries import ResolvedProbe, Skipped, mapped_libraries, resolve
 from llmobs.bpf.profiles import PROBE_IDS, PROBES, Probe, probes_of
 from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
@@ -106,6 +107,7 @@ class AttachSession:
         self.resolved: list[ResolvedProbe] = []
         self.attached_probes: list[Probe] = []
         self.skipped: list[Skipped] = []
+        self.notes: list[str] = []
         self.stats = Stats()
         self.cell_address = 0
         self.totals = aggregates.Totals()
@@ -157,6 +159,9 @@ class AttachSession:
         loadable = self.plan(entries)
         if not loadable:
             raise NothingAttached(self._nothing_message())
+        removed = remove_stale_uprobes()
+        if removed:
+            self.notes.append(f"removed {len(removed)} uprobe event(s) a killed agent left in tracefs")
         if self.program is None:
             self.program = ProbeProgram(loadable)
         program = self.program
