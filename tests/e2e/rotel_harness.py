@@ -84,7 +84,7 @@ class Rotel:
             "--debug-log-verbosity", "detailed",
             "--pid-file", str(self.workdir / "rotel.pid"),
         ]  # fmt: skip
-        with open(log_path, "wb") as log:
+        with open(log_path, "ab") as log:  # append mode: a reader may truncate it (bench)
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
