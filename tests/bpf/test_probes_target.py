@@ -5,6 +5,7 @@ A real PyTorch process that publishes its context cell through the workload's ow
 stdin, runs a phase whose calls are known by construction (STEP_SEQ must count 1, 2, ...):
 
     step STEP_SEQ TRACE_HEX ALLOCS NBYTES GEMMS IOCTLS  -> "done"   (one token step's work)
+    cuda STEP_SEQ TRACE_HEX LAUNCHES ALLOC_BYTES SYNCS  -> "done"   (calls into --cuda-lib LIB)
     exit                                                -> exits 0
 
 ALLOCS torch.empty(NBYTES, uint8) tensors (one c10::alloc_cpu each, freed at the end of the step by
@@ -79,6 +80,12 @@ class Target:
         self.proc.stdin.flush()
         assert self.readline() == "done"
 
+    def cuda(self, step_seq: int, trace_hex: str, launches=0, alloc_bytes=0, syncs=0) -> None:
+        """Driver-API calls into the library given with --cuda-lib."""
+        self.proc.stdin.write(f"cuda {step_seq} {trace_hex} {launches} {alloc_bytes} {syncs}\n".encode())
+        self.proc.stdin.flush()
+        assert self.readline() == "done"
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -139,6 +146,7 @@ def main() -> int:
     weight = torch.randn(64, 64)
     x = torch.randn(4, 64)
     null_fd = os.open("/dev/null", os.O_RDONLY)
+    cuda = ctypes.CDLL(sys.argv[sys.argv.index("--cuda-lib") + 1]) if "--cuda-lib" in sys.argv else None
     with torch.no_grad():
         F.linear(x, weight)  # warm-up: first-call allocations happen before any counted phase
     print(f"ready {cell.address if cell else 0}", flush=True)
@@ -148,9 +156,19 @@ def main() -> int:
             if not parts or parts[0] == "exit":
                 break
             step_seq, trace_hex = int(parts[1]), parts[2]
-            allocs, nbytes, gemms, ioctls = (int(v) for v in parts[3:7])
             if cell:
                 cell.write(trace_hex, step_seq)
+            if parts[0] == "cuda":
+                launches, alloc_bytes, syncs = (int(v) for v in parts[3:6])
+                pointer = ctypes.c_ulong(0)
+                for _ in range(launches):
+                    cuda.cuLaunchKernel(None, 1, 1, 1, 1, 1, 1, 0, None, None, None)
+                cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(alloc_bytes))
+                for _ in range(syncs):
+                    cuda.cuStreamSynchronize(None)
+                print("done", flush=True)
+                continue
+            allocs, nbytes, gemms, ioctls = (int(v) for v in parts[3:7])
             with torch.no_grad():
                 held = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(allocs)]
                 for _ in range(gemms):
