@@ -60,14 +60,17 @@ def _input_ids(args, kwargs):
 class Instrumented:
     """Handle returned by instrument(); .remove() undoes it."""
 
-    def __init__(self, model, model_id: str, labels: bool):
+    def __init__(self, model, model_id: str, labels: bool, measure: bool = False):
         self.model = model
         self.model_id = model_id
         self.labels = labels
         self._labels_state = contextvars.ContextVar("llmobs_labels", default=None)
+        self.cpu_ns = 0  # with measure=True: this thread's CPU time spent in the hooks (benchmarks)
+        pre, post = (self._timed(self._pre), self._timed(self._post)) if measure else (self._pre, self._post)
+        self._measure = measure
         self._handles = [
-            model.register_forward_pre_hook(self._pre, with_kwargs=True),
-            model.register_forward_hook(self._post, with_kwargs=True),
+            model.register_forward_pre_hook(pre, with_kwargs=True),
+            model.register_forward_hook(post, with_kwargs=True),
         ]
         self._orig_generate = model.__dict__.get("generate")
         if hasattr(model, "generate"):
@@ -83,11 +86,22 @@ class Instrumented:
             self.model.generate = self._orig_generate
         self.model.__dict__.pop("_llmobs_instrumented", None)
 
+    def _timed(self, fn):
+        def timed(*args):
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*args)
+            finally:
+                self.cpu_ns += time.thread_time_ns() - t0
+
+        return timed
+
     # --- generate --------------------------------------------------------------------------------
     def _wrap_generate(self, generate):
         @functools.wraps(generate)
         def wrapped(*args, **kwargs):
             gen = None
+            t0 = time.thread_time_ns() if self._measure else 0
             try:
                 ids = kwargs.get("input_ids", kwargs.get("inputs"))
                 if ids is None and args:
@@ -99,11 +113,14 @@ class Instrumented:
                     gen = _Generation(req)
             except Exception as exc:
                 publisher._count_error(exc)
+            if self._measure:
+                self.cpu_ns += time.thread_time_ns() - t0
             token = _generating.set(gen)
             try:
                 out = generate(*args, **kwargs)
             finally:
                 _generating.reset(token)
+            t0 = time.thread_time_ns() if self._measure else 0
             if gen is not None:
                 try:
                     seqs = out if hasattr(out, "dim") else out.sequences
@@ -111,6 +128,8 @@ class Instrumented:
                     gen.req.end()
                 except Exception as exc:
                     publisher._count_error(exc)
+            if self._measure:
+                self.cpu_ns += time.thread_time_ns() - t0
             return out
 
         return wrapped
@@ -189,11 +208,14 @@ class Instrumented:
         w.clear_context()
 
 
-def instrument(model, tokenizer=None, *, model_id: str | None = None, labels: bool = True) -> Instrumented:
+def instrument(
+    model, tokenizer=None, *, model_id: str | None = None, labels: bool = True, measure: bool = False
+) -> Instrumented:
     """Publish every token step of a Hugging Face causal LM (generate() and forward with labels).
 
     model_id defaults to the model's config name_or_path. `tokenizer` is accepted for symmetry with
-    the HF API and used only to name the model when the config has no name. Idempotent per model."""
+    the HF API and used only to name the model when the config has no name. measure=True adds up the
+    CPU time the hooks take in `.cpu_ns` (for benchmarks). Idempotent per model."""
     existing = model.__dict__.get("_llmobs_instrumented")
     if existing is not None:
         return existing
@@ -205,7 +227,7 @@ def instrument(model, tokenizer=None, *, model_id: str | None = None, labels: bo
     from llmobs.shm.writer import get_writer
 
     get_writer().set_model(model_id)  # the map exists from now on: an agent can attach before any token
-    inst = Instrumented(model, model_id, labels)
+    inst = Instrumented(model, model_id, labels, measure)
     publish_process_context(model_id=model_id)
     from llmobs.cupti import install as install_cupti
 
