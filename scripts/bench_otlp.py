@@ -51,7 +51,11 @@ def build_store(path: Path, steps: int, tokens: int, batch_rows: int) -> int:
     requests = max(steps // tokens, 1)
     store = DuckDBStore(path)
     table = synthetic.token_steps(
-        4242, requests, tokens, batch_rows=batch_rows, start_ns=clock.monotonic_ns() - 3_600_000_000_000
+        4242,
+        requests,
+        tokens,
+        batch_rows=batch_rows,
+        start_ns=max(clock.monotonic_ns() - 300_000_000_000, 1_000_000_000),
     )
     store.append({"token_steps": table, "events": synthetic.events_for_steps(table)})
     correlate.correlate(store.connection)

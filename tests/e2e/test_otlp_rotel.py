@@ -168,7 +168,7 @@ def test_collector_killed_and_restarted_nothing_lost(tmp_path, collector):
     window arrives, the exporter holds one batch whatever the backlog, and the counters tell the story."""
     store = DuckDBStore(tmp_path / "s.duckdb")
     now = clock.monotonic_ns()
-    first = fill(store, PID, requests=40, tokens=40, start_ns=now - 200_000_000_000)
+    first = fill(store, PID, requests=40, tokens=40, start_ns=now - 60_000_000_000)
     batch = 50
     config = fast_config(collector.grpc_endpoint, "grpc", batch_spans=batch)
     exporter = OtlpExporter(store.connection.cursor(), config)
@@ -181,7 +181,7 @@ def test_collector_killed_and_restarted_nothing_lost(tmp_path, collector):
         # The pipeline keeps writing while the collector is down: a backlog far larger than a batch.
         tracemalloc.start()
         before, _ = tracemalloc.get_traced_memory()
-        second = fill(store, 4343, requests=40, tokens=40, start_ns=now - 100_000_000_000, seq_start=10_000)
+        second = fill(store, 4343, requests=40, tokens=40, start_ns=now - 30_000_000_000, seq_start=10_000)
         failed = exporter.counters.attempts_failed
         wait_until(lambda: exporter.counters.attempts_failed >= failed + 5, 30, what="retries on the backlog")
         _, peak = tracemalloc.get_traced_memory()

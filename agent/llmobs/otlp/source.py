@@ -143,7 +143,7 @@ ON CONFLICT (pid, trace_id) DO UPDATE SET
 """
 
 # How far around a batch's step window to look for its events (CUPTI records and late-tagged work).
-EVENT_SLACK_NS = 5_000_000_000
+EVENT_SLACK_NS = 2_000_000_000
 
 
 @dataclass
