@@ -148,19 +148,23 @@ class HttpTransport(Transport):
         if self.gzip:
             self.session.headers["Content-Encoding"] = "gzip"
         self.session.headers.update(config.headers)
+        # Passed on every request, not set on the session: requests lets REQUESTS_CA_BUNDLE /
+        # CURL_CA_BUNDLE override a session's `verify`, which would silently drop --certificate.
+        self.verify: bool | str = True
         if config.certificate:
-            self.session.verify = config.certificate
+            self.verify = config.certificate
         elif config.insecure and self.traces_url.startswith("https://"):
-            self.session.verify = False  # insecure=true over https: the user asked to skip verification
-        if config.client_certificate and config.client_key:
-            self.session.cert = (config.client_certificate, config.client_key)
+            self.verify = False  # insecure=true over https: the user asked to skip verification
+        self.cert = (config.client_certificate, config.client_key) if config.client_certificate else None
 
     def _post(self, url: str, request: Message, response_type, rejected_field: str) -> SendResult:
         body = request.SerializeToString()
         if self.gzip:
             body = gzip.compress(body, compresslevel=5)
         try:
-            response = self.session.post(url, data=body, timeout=self.timeout_s)
+            response = self.session.post(
+                url, data=body, timeout=self.timeout_s, verify=self.verify, cert=self.cert
+            )
         except requests.RequestException as exc:  # refused, reset, timed out: the collector may come back
             return SendResult(
                 ok=False, retryable=True, error=f"HTTP {type(exc).__name__}: {_first_line(exc)}"
