@@ -252,3 +252,30 @@ def test_collector_listens_on_loopback_only(collector):
     ]
     assert {port for _, port in listening} == {collector.grpc_port, collector.http_port}
     assert {ip for ip, _ in listening} == {"127.0.0.1"}
+
+
+def test_cli_follow_exports_and_stops_cleanly_on_sigterm(tmp_path, collector):
+    db = tmp_path / "s.duckdb"
+    with DuckDBStore(db) as store:
+        steps = fill(store, PID, requests=3, tokens=6, start_ns=clock.monotonic_ns() - 30_000_000_000)
+    ids, _, _ = expected_ids(steps)
+    conf = tmp_path / "llmobs.toml"
+    conf.write_text(
+        f'[otlp]\nendpoint = "{collector.grpc_endpoint}"\nsettle_s = 0.0\nrequest_idle_s = 0.2\n'
+        "poll_interval_s = 0.05\nmetrics_interval_s = 0.2\n"
+    )
+    command = [sys.executable, "-m", "llmobs.cli", "otlp", "--db", str(db), "--config", str(conf), "--follow"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: {s.span_id for s in collector.spans()} >= ids, 30, what="spans from --follow")
+        wait_until(
+            lambda: "llmobs.tokens" in parse_metrics(collector.text()), 30, what="metrics from --follow"
+        )
+        process.send_signal(15)
+        out, err = process.communicate(timeout=20)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err
+    assert out.startswith(f"exported {len(ids)} spans to {collector.grpc_endpoint} (grpc)")
