@@ -1,0 +1,402 @@
+#!/usr/bin/env python3
+"""The GPU check's measurements (run by scripts/gpu_check.sh, which prepares the environment).
+
+Parts, each reported as RAN / SKIPPED (with the reason) / FAILED in one results file:
+  preflight   GPU, driver, torch CUDA, cupti-python, nvidia-ml-py, bcc, and whether eBPF runs at all
+  nvml        NvmlSampler on the device (device and per-process utilisation/memory)
+  throughput  tokens/s of the CUDA generation loop: baseline (no llmobs) vs instrumented vs
+              instrumented + `attach --profile cuda`, interleaved rounds, ratios of medians
+  trace       `trace --steps 8` on a generating process while `attach --profile cuda` runs:
+              kernels captured and joined to steps, CUPTI launches vs uprobe launch counts per step,
+              the clock-fit residual, drops; stored to DuckDB when duckdb is importable
+  gpu-tests   the tests/gpu tier (pytest)
+
+--rehearse runs the same code on the CPU (tiny model, cpu profile) so the script itself is exercised
+where there is no GPU; what needs a GPU is then reported SKIPPED with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+class Results:
+    """Appends every line to one file (and stdout); keeps the part outcomes for the final table."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.parts: list[tuple[str, str, str]] = []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.f = path.open("a")
+
+    def line(self, text: str) -> None:
+        print(text, flush=True)
+        self.f.write(text + "\n")
+        self.f.flush()
+
+    def part(self, name: str, outcome: str, detail: str = "") -> None:
+        self.parts.append((name, outcome, detail))
+        self.line(f"== {name}: {outcome}" + (f" ({detail})" if detail else ""))
+
+    def table(self) -> None:
+        self.line("== summary")
+        for name, outcome, detail in self.parts:
+            self.line(f"  {name:<11} {outcome:<8} {detail}")
+
+
+def run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+# --- preflight ---------------------------------------------------------------------------------------
+def preflight(res: Results, args) -> dict:
+    facts: dict = {}
+    try:
+        out = run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"], 30)
+        facts["gpu"] = out.stdout.strip() or out.stderr.strip()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        facts["gpu"] = f"nvidia-smi: {exc}"
+    res.line(f"gpu: {facts['gpu']}")
+    res.line(f"kernel: {os.uname().release}; python {sys.version.split()[0]} at {PY}")
+    probe = (
+        "import json, torch\n"
+        "d = {'torch': torch.__version__, 'cuda': torch.version.cuda}\n"
+        "d['available'] = torch.cuda.is_available()\n"
+        "d['device'] = torch.cuda.get_device_name(0) if d['available'] else ''\n"
+        "print(json.dumps(d))"
+    )
+    out = run([PY, "-c", probe], 120)
+    facts["torch"] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else {}
+    res.line(f"torch: {facts['torch'] or out.stderr.strip()[-300:]}")
+    modules = (("cupti", "cupti-python"), ("pynvml", "nvidia-ml-py"), ("duckdb", "duckdb"), ("bcc", "bcc"))
+    for mod, what in modules:
+        out = run([PY, "-c", f"import {mod}; print(getattr({mod}, '__file__', ''))"], 60)
+        facts[mod] = out.returncode == 0
+        why = (out.stderr.strip().splitlines() or ["?"])[-1]
+        res.line(f"{what}: {'importable' if facts[mod] else 'MISSING: ' + why}")
+    facts["ebpf"], facts["ebpf_reason"] = ebpf_smoke() if facts["bcc"] else (False, "bcc is not importable")
+    res.line(f"ebpf: {'works' if facts['ebpf'] else 'cannot run: ' + facts['ebpf_reason']}")
+    for p in ("/sys/kernel/btf/vmlinux", "/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        res.line(f"  {p}: {'present' if os.path.exists(p) else 'absent'}")
+    res.line(f"  BCC_KERNEL_SOURCE={os.environ.get('BCC_KERNEL_SOURCE', '')}")
+    facts["cuda"] = bool(facts["torch"].get("available"))
+    res.part("preflight", "RAN", f"cuda={facts['cuda']} ebpf={facts['ebpf']} cupti={facts['cupti']}")
+    return facts
+
+
+EBPF_SMOKE = r"""
+import ctypes, os
+from bcc import BPF
+b = BPF(text='BPF_ARRAY(hits, u64, 1); int on_getpid(void *ctx) { int k = 0; hits.increment(k); return 0; }')
+b.attach_uprobe(name="c", sym="getpid", fn_name="on_getpid")
+libc = ctypes.CDLL(None)
+for _ in range(100):
+    libc.getpid()
+print(b["hits"][0].value)
+"""
+
+
+def ebpf_smoke() -> tuple[bool, str]:
+    """Can this kernel run eBPF for us: compile with bcc, attach a uprobe, count 100 calls."""
+    if os.geteuid() != 0:
+        return False, "not root"
+    try:
+        out = run([PY, "-c", EBPF_SMOKE], 120)
+    except subprocess.TimeoutExpired:
+        return False, "bcc smoke test timed out"
+    if out.returncode != 0:
+        return False, (out.stderr.strip().splitlines() or ["failed"])[-1][:300]
+    hits = int(out.stdout.strip().splitlines()[-1])
+    return (hits >= 100, f"{hits} of 100 uprobe hits counted")
+
+
+# --- processes -----------------------------------------------------------------------------------------
+class Workload:
+    """scripts/gpu_workload.py in a child; ready when its JSON line arrives on a pipe."""
+
+    def __init__(self, args, *, instrument: bool, requests: int, wait_stdin: bool = False):
+        r, w = os.pipe()
+        cmd = [PY, str(REPO / "scripts" / "gpu_workload.py"), "--model", args.model, "--device", args.device,
+               "--requests", str(requests), "--max-new-tokens", str(args.tokens), "--batch", str(args.batch),
+               "--ready-fd", str(w)]  # fmt: skip
+        if not instrument:
+            cmd.append("--no-instrument")
+        if wait_stdin:
+            cmd.append("--wait-stdin")
+        pipe = subprocess.PIPE
+        self.proc = subprocess.Popen(cmd, stdin=pipe, stdout=pipe, stderr=pipe, text=True, pass_fds=(w,))
+        os.close(w)
+        ready, _, _ = select.select([r], [], [], args.load_timeout)
+        line = os.read(r, 4096).decode() if ready else ""
+        os.close(r)
+        if not line:
+            self.proc.kill()
+            err = self.proc.stderr.read()[-800:]
+            raise RuntimeError(f"workload not ready in {args.load_timeout} s: {err}")
+        self.info = json.loads(line.splitlines()[0])
+        self.pid = self.info["pid"]
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float) -> dict:
+        out, err = self.proc.communicate(timeout=timeout)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"workload failed ({self.proc.returncode}): {err[-800:]}")
+        return json.loads(out.strip().splitlines()[-1])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class Attach:
+    """`llmobs-agent attach` on a pid; ready once it prints 'attached in'."""
+
+    def __init__(self, args, pid: int, out: str | None = None):
+        cmd = [PY, "-m", "llmobs.cli", "attach", "--pid", str(pid), "--profile", args.profile]
+        if out:
+            cmd += ["--out", out]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.log: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stderr], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.log.append(line.rstrip())
+            if "attached in" in line:
+                return
+        self.proc.kill()
+        raise RuntimeError("attach did not attach: " + " | ".join(self.log[-5:]))
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=60)
+        return "\n".join(self.log) + "\n" + err
+
+
+# --- parts ---------------------------------------------------------------------------------------------
+def nvml_part(res: Results, args) -> None:
+    from llmobs.nvml import NvmlSampler
+
+    sampler = NvmlSampler(hz=4, status=lambda line: res.line(line))
+    if not sampler.open():
+        res.part("nvml", "SKIPPED", sampler.reason)
+        return
+    w = Workload(args, instrument=False, requests=args.requests, wait_stdin=True)
+    try:
+        w.go()
+        time.sleep(1.0)  # NVML's utilisation counters need a period of work to say anything
+        devices, procs = sampler.sample()
+        w.finish(args.run_timeout)
+    finally:
+        w.stop()
+        sampler.stop()
+    for d in devices:
+        res.line(f"  device {d.device}: gpu {d.gpu_util}% mem {d.mem_util}% used {d.mem_used >> 20} MiB "
+                 f"of {d.mem_total >> 20} MiB")  # fmt: skip
+    mine = [p for p in procs if p.pid == w.pid]
+    for p in mine:
+        res.line(f"  pid {p.pid}: sm {p.sm_util}% mem {p.mem_util}% used {p.mem_used >> 20} MiB")
+    ok = bool(devices) and bool(mine)
+    detail = f"{len(devices)} device rows, workload pid seen: {bool(mine)}"
+    res.part("nvml", "RAN" if ok else "FAILED", detail)
+
+
+def throughput_part(res: Results, args, facts) -> None:
+    modes = ["baseline", "instrumented"] + (["with-agent"] if facts["ebpf"] else [])
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    for rnd in range(args.rounds):
+        for mode in modes:
+            w = Workload(args, instrument=mode != "baseline", requests=args.requests, wait_stdin=True)
+            agent = None
+            try:
+                if mode == "with-agent":
+                    agent = Attach(args, w.pid)
+                w.go()
+                summary = w.finish(args.run_timeout)
+            finally:
+                if agent is not None:
+                    agent.stop()
+                w.stop()
+            rates[mode].append(summary["tokens_per_s"])
+            res.line(f"  round {rnd + 1} {mode:<12} {summary['tokens_per_s']:>10.1f} tokens/s")
+    base = statistics.median(rates["baseline"])
+    parts = []
+    for mode in modes[1:]:
+        ratio = statistics.median(rates[mode]) / base if base else float("nan")
+        parts.append(f"{mode}/baseline {ratio:.3f}")
+        median = statistics.median(rates[mode])
+        res.line(f"  {mode}: median {median:.1f} tokens/s, ratio to baseline {ratio:.3f}")
+    detail = ", ".join(parts) + ("" if facts["ebpf"] else "; with-agent not run: eBPF cannot run here")
+    if args.rehearse:
+        detail += "; REHEARSAL on the CPU with 8 tokens a run: these ratios are noise, not a measurement"
+    res.part("throughput", "RAN", detail)
+
+
+def launch_counts(aggregates: Path) -> dict[int, dict[str, int]]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(aggregates).to_pydict()
+    out: dict[int, dict[str, int]] = {}
+    for seq, probe, count in zip(table["step_seq"], table["probe"], table["count"], strict=True):
+        out.setdefault(int(seq), {})
+        out[int(seq)][probe] = out[int(seq)].get(probe, 0) + int(count)
+    return out
+
+
+def trace_part(res: Results, args, facts, tmp: Path) -> None:
+    if not facts["cuda"]:
+        w = Workload(args, instrument=True, requests=0)
+        try:
+            out = run([PY, "-m", "llmobs.cli", "trace", "--pid", str(w.pid), "--steps", str(args.steps),
+                       "--timeout", "30"], 120)  # fmt: skip
+        finally:
+            w.stop()
+        res.line(f"  trace without CUDA: exit {out.returncode}: {out.stderr.strip().splitlines()[0]}")
+        res.part("trace", "SKIPPED", f"no CUDA in torch here; trace refused with exit {out.returncode}")
+        return
+    w = Workload(args, instrument=True, requests=0)
+    agent = None
+    agent_log = ""
+    aggregates = tmp / "attach.aggregates.parquet"
+    try:
+        if facts["ebpf"]:
+            agent = Attach(args, w.pid, str(tmp / "attach.parquet"))
+        cmd = [PY, "-m", "llmobs.cli", "trace", "--pid", str(w.pid), "--steps", str(args.steps), "--timeout",
+               "120", "--json", str(tmp / "trace.json"), "--quiet"]  # fmt: skip
+        if facts["duckdb"]:
+            cmd += ["--db", str(tmp / "trace.duckdb")]
+        out = run(cmd, 180)
+    finally:
+        if agent is not None:
+            agent_log = agent.stop()
+        w.stop()
+    for line in out.stdout.splitlines():
+        res.line(f"  | {line}")
+    if out.returncode != 0:
+        res.line(f"  trace stderr: {out.stderr.strip()[-800:]}")
+        res.part("trace", "FAILED", f"trace exit {out.returncode}")
+        return
+    doc = json.loads((tmp / "trace.json").read_text())
+    steps = [s for s in doc["steps"] if s["step_seq"]]
+    per_step_kernels = [s["kernels"] for s in steps]
+    checks = {
+        "8 steps collected": len(steps) == args.steps,
+        "kernels in every step": bool(steps) and all(k > 0 for k in per_step_kernels),
+        "all records joined": doc["unjoined"] == 0 and doc["joined"] > 0,
+        "clock residual < 10 us": bool(doc["clock"]) and doc["clock"]["residual_ns"] < 10_000,
+        "no CUPTI drops": bool(doc["end"]) and doc["end"]["cupti_dropped"] == 0,
+    }
+    if doc["clock"]:
+        c = doc["clock"]
+        res.line(f"  clock fit: offset {c['offset_ns']} ns, drift {c['drift_ppm']:.3f} ppm, residual "
+                 f"{c['residual_ns']:.0f} ns rms, {c['max_residual_ns']:.0f} ns max, "
+                 f"{c['samples']} samples")  # fmt: skip
+    if agent is not None and aggregates.exists():
+        counts = launch_counts(aggregates)
+        res.line(f"  {'step_seq':>9} {'cupti_kernels':>13} {'cupti_launch_api':>16} {'uprobe_launches':>15}"
+                 "  probes")  # fmt: skip
+        agree = []
+        for s in steps:
+            probes = counts.get(s["step_seq"], {})
+            uprobe = sum(v for k, v in probes.items() if "aunch" in k)
+            agree.append(uprobe == s["launches"] or uprobe == s["kernels"])
+            res.line(f"  {s['step_seq']:>9} {s['kernels']:>13} {s['launches']:>16} {uprobe:>15}  "
+                     + ", ".join(f"{k}={v}" for k, v in sorted(probes.items()) if "aunch" in k))  # fmt: skip
+        checks["uprobe launches == CUPTI launches or kernels, every step"] = bool(agree) and all(agree)
+    else:
+        why = "eBPF cannot run here" if not facts["ebpf"] else agent_log[-400:]
+        res.line("  uprobe comparison not run: " + why)
+    if facts["duckdb"]:
+        import duckdb
+
+        con = duckdb.connect(str(tmp / "trace.duckdb"), read_only=True)
+        rows = con.execute("SELECT step_seq, gpu_ns, launches FROM step_rollups WHERE gpu_ns IS NOT NULL "
+                           "ORDER BY step_seq").fetchall()  # fmt: skip
+        con.close()
+        res.line(f"  store: {len(rows)} step rollups with gpu_ns: {rows[:8]}")
+        checks["stored and joined (step_rollups.gpu_ns)"] = len(rows) == len(steps)
+    else:
+        res.line("  store not checked: duckdb is not importable here (not carried; see docs/gpu-check.md)")
+    for name, ok in checks.items():
+        res.line(f"  [{'ok' if ok else 'FAIL'}] {name}")
+    res.part("trace", "RAN" if all(checks.values()) else "FAILED",
+             f"{sum(checks.values())}/{len(checks)} checks")  # fmt: skip
+
+
+def gpu_tests_part(res: Results, args, facts) -> None:
+    if not facts["cuda"]:
+        res.part("gpu-tests", "SKIPPED", "no CUDA here")
+        return
+    cmd = [PY, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(REPO / "tests" / "gpu")]
+    out = run(cmd, 300, cwd=REPO)
+    for line in out.stdout.strip().splitlines()[-15:]:
+        res.line(f"  | {line}")
+    res.part("gpu-tests", "RAN" if out.returncode == 0 else "FAILED", f"pytest exit {out.returncode}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", required=True, help="the one results file (appended)")
+    p.add_argument("--rehearse", action="store_true", help="run on the CPU: tiny model, cpu profile")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--parts", default="preflight,nvml,throughput,trace,gpu-tests")
+    args = p.parse_args(argv)
+    where = ("tiny", "cpu", "cpu") if args.rehearse else ("small", "cuda", "cuda")
+    args.model, args.device, args.profile = where
+    if args.rehearse:
+        args.requests, args.tokens, args.batch = min(args.requests, 2), min(args.tokens, 4), 1
+    args.load_timeout, args.run_timeout = 180, 240
+    res = Results(Path(args.results))
+    tmp = Path(os.environ.get("TMPDIR", "/tmp")) / f"llmobs-gpu-check-{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    wanted = args.parts.split(",")
+    facts = preflight(res, args)
+    steps = [
+        ("nvml", lambda: nvml_part(res, args)),
+        ("throughput", lambda: throughput_part(res, args, facts)),
+        ("trace", lambda: trace_part(res, args, facts, tmp)),
+        ("gpu-tests", lambda: gpu_tests_part(res, args, facts)),
+    ]
+    for name, fn in steps:
+        if name not in wanted:
+            res.part(name, "SKIPPED", "not asked for (--parts)")
+            continue
+        started = time.monotonic()
+        try:
+            fn()
+        except Exception as exc:  # one part failing must not hide the others' results
+            res.part(name, "FAILED", f"{type(exc).__name__}: {str(exc)[:300]}")
+        res.line(f"   ({name} took {time.monotonic() - started:.1f} s)")
+    res.table()
+    return 1 if any(outcome == "FAILED" for _, outcome, _ in res.parts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
