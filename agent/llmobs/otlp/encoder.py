@@ -122,21 +122,41 @@ class SpanIds:
 
 
 def set_attribute(attributes, key: str, value: object) -> None:
-    """Append key=value to a repeated KeyValue field by Python type; None and NaN are skipped."""
-    if value is None:
-        return
-    if isinstance(value, float) and math.isnan(value):
-        return
-    kv = attributes.add()
-    kv.key = key
-    if isinstance(value, bool):
-        kv.value.bool_value = value
-    elif isinstance(value, int):
+    """Append key=value to a repeated KeyValue field by Python type; None and NaN are skipped.
+
+    Dispatches on the exact type first (the hot path: ~50 attributes per span; bool is not int here)."""
+    kind = type(value)
+    if kind is int:
+        kv = attributes.add()
+        kv.key = key
         kv.value.int_value = value
-    elif isinstance(value, float):
+    elif kind is float:
+        if value != value:  # NaN: a token without a target has no loss
+            return
+        kv = attributes.add()
+        kv.key = key
         kv.value.double_value = value
+    elif kind is str:
+        kv = attributes.add()
+        kv.key = key
+        kv.value.string_value = value
+    elif value is None:
+        return
+    elif kind is bool:
+        kv = attributes.add()
+        kv.key = key
+        kv.value.bool_value = value
+    elif isinstance(value, float) and math.isnan(value):
+        return
     else:
-        kv.value.string_value = str(value)
+        kv = attributes.add()
+        kv.key = key
+        if isinstance(value, int):
+            kv.value.int_value = int(value)
+        elif isinstance(value, float):
+            kv.value.double_value = float(value)
+        else:
+            kv.value.string_value = str(value)
 
 
 def key_values(items: Mapping[str, object]) -> list[KeyValue]:
