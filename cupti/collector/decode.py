@@ -69,6 +69,8 @@ class ActivityDecoder:
         kind = int(act.kind)
         if kind in p.KERNEL_KINDS:
             name = act.name
+            if isinstance(name, bytes):
+                name = name.decode("utf-8", "replace")
             return self._name(("kernel", name), lambda: str(name))
         if kind in p.API_KINDS:
             cbid = int(act.cbid)

@@ -123,3 +123,9 @@ def test_malformed_and_unknown_records_are_skipped_not_fatal():
     out = d.decode([*bad, ext(1, 2), kernel(1)], final=True)
     assert len(out) == 1 and out[0][0] == 2
     assert d.skipped == 3
+
+
+def test_kernel_names_given_as_bytes_are_decoded():
+    d, interned = _decoder()
+    d.decode([ext(1, 2), kernel(1, b"void gemm<float>(float*)")])
+    assert interned == ["void gemm<float>(float*)"]
