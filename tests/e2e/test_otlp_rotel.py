@@ -279,3 +279,26 @@ def test_cli_follow_exports_and_stops_cleanly_on_sigterm(tmp_path, collector):
             process.wait()
     assert process.returncode == 0, err
     assert out.startswith(f"exported {len(ids)} spans to {collector.grpc_endpoint} (grpc)")
+
+
+def test_start_exporter_follows_a_store_being_written(tmp_path, collector):
+    """The in-process wiring `attach --otlp` uses: ingest keeps appending while the exporter follows."""
+    from llmobs.otlp import start_exporter
+
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    exporter = start_exporter(store, fast_config(collector.http_endpoint, "http/protobuf", batch_spans=64))
+    try:
+        expected: set[str] = set()
+        now = clock.monotonic_ns()
+        for index in range(3):  # three ingest rounds, each seen at the collector before the next
+            steps = fill(
+                store, 5000 + index, requests=2, tokens=8, start_ns=now - (30 - index) * 1_000_000_000
+            )
+            expected |= expected_ids(steps)[0]
+            want = frozenset(expected)
+            wait_until(lambda w=want: {s.span_id for s in collector.spans()} >= w, 30, what=f"round {index}")
+    finally:
+        counters = exporter.shutdown(timeout=10)
+    assert counters.spans_sent == len(expected) == 3 * (16 + 2) and counters.attempts_failed == 0
+    assert {s.resource["process.pid"] for s in collector.spans()} == {5000, 5001, 5002}
+    store.close()
