@@ -122,3 +122,11 @@ def test_cli_bad_env_value_is_one_line_with_usage_code(capsys, monkeypatch):
     assert cli.main(["otlp", "--show-config"]) == ExitCode.USAGE
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("error: protocol 'carrier-pigeon' is not one of") and err[1].startswith("hint:")
+
+
+def test_cli_missing_store_is_an_error_and_creates_nothing(tmp_path, capsys):
+    missing = tmp_path / "no" / "such.duckdb"
+    code = cli.main(["otlp", "--db", str(missing), "--endpoint", "http://127.0.0.1:9"])
+    assert code == ExitCode.STORE_ERROR
+    assert capsys.readouterr().err.startswith(f"error: no store at {missing}")
+    assert not missing.parent.exists()

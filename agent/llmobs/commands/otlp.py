@@ -15,7 +15,9 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
+from llmobs.errors import StoreError
 from llmobs.otlp import config as otlp_config
 from llmobs.otlp.delivery import OtlpExporter
 from llmobs.store import default_db_path
@@ -110,7 +112,10 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     started = time.monotonic()
-    with DuckDBStore(args.db or default_db_path()) as store:
+    db = Path(args.db or default_db_path())
+    if not db.exists():  # exporting must not create an empty store where the user mistyped a path
+        raise StoreError(f"no store at {db}", hint="give the agent's store with --db PATH")
+    with DuckDBStore(db) as store:
         exporter = OtlpExporter(store.connection.cursor(), config, stop=stop)
         try:
             counters = exporter.run(follow=args.follow, give_up_after_s=args.give_up_after)
