@@ -27,6 +27,7 @@ import time
 from llmobs import clock
 from llmobs.cupti import protocol as p
 from llmobs.cupti.decode import ActivityDecoder
+from llmobs.cupti.ring import CuptiRing
 from llmobs.shm import layout
 
 DRAIN_PERIOD_S = 0.02  # how often the drain thread looks for completed buffers while collecting
@@ -261,7 +262,8 @@ class DrainSession:
         self.samples: list[clock.BracketedSample] = []
         self.fit: clock.ClockFit | None = None
         self.take_clock_samples(CLOCK_SAMPLES_START)
-        self.decoder = ActivityDecoder(self._intern, self._to_mono, self._api_name)
+        self.decoder = ActivityDecoder(self._intern, None, self._api_name)  # times mapped per batch
+        self.ring = CuptiRing(writer)
         self.written = 0
 
     def take_clock_samples(self, count: int) -> None:
@@ -273,9 +275,6 @@ class DrainSession:
             self.samples = self.samples[:64] + self.samples[-(MAX_CLOCK_SAMPLES - 64) :]
         with contextlib.suppress(ValueError):
             self.fit = clock.fit_clock(self.samples)
-
-    def _to_mono(self, cupti_ns: int) -> int:
-        return self.fit.to_monotonic_ns(cupti_ns) if self.fit is not None else cupti_ns
 
     def _intern(self, text: str) -> int:
         return self.writer.name(layout.NAME_OTHER, text)
@@ -289,9 +288,7 @@ class DrainSession:
 
     def write(self, activities, final: bool = False) -> int:
         records = self.decoder.decode(activities, final=final)
-        publish = self.writer.publish_cupti
-        for rec in records:
-            publish(*rec)
+        self.ring.publish(records, self.fit)
         self.written += len(records)
         return len(records)
 

@@ -33,14 +33,15 @@ _MEMORY_OPS = {1: "alloc", 2: "free"}
 class ActivityDecoder:
     """Turns batches of activity records into ring records. Not thread-safe: the drain thread owns it.
 
-    intern(kind_name, text) -> 64-bit name hash (publishes the string in the map's names table);
-    to_mono(cupti_ns) -> CLOCK_MONOTONIC ns; api_name(kind, cbid) -> "cudaLaunchKernel" etc.
+    intern(text) -> 64-bit name hash (publishes the string in the map's names table);
+    to_mono(cupti_ns) -> CLOCK_MONOTONIC ns, or None to leave CUPTI time for a batch conversion
+    (ring.CuptiRing does it on whole columns); api_name(kind, cbid) -> "cudaLaunchKernel" etc.
     """
 
     def __init__(
         self,
         intern: Callable[[str], int],
-        to_mono: Callable[[int], int],
+        to_mono: Callable[[int], int] | None,
         api_name: Callable[[int, int], str],
     ):
         self.intern = intern
@@ -67,11 +68,24 @@ class ActivityDecoder:
 
     def name_hash(self, act) -> int:
         kind = int(act.kind)
+        if kind in p.KERNEL_KINDS:  # the common case first, and without building a closure
+            h = self._names.get(("kernel", act.name))
+            if h is not None:
+                return h
+        elif kind in p.API_KINDS:
+            h = self._names.get((kind, act.cbid))
+            if h is not None:
+                return h
+        return self._slow_name_hash(act, kind)
+
+    def _slow_name_hash(self, act, kind: int) -> int:
         if kind in p.KERNEL_KINDS:
             name = act.name
             if isinstance(name, bytes):
                 name = name.decode("utf-8", "replace")
-            return self._name(("kernel", name), lambda: str(name))
+            h = self._name(("kernel", name), lambda: str(name))
+            self._names[("kernel", act.name)] = h  # also under the raw (bytes) key the fast path sees
+            return h
         if kind in p.API_KINDS:
             cbid = int(act.cbid)
             return self._name((kind, cbid), lambda: self.api_name(kind, cbid))
@@ -111,13 +125,16 @@ class ActivityDecoder:
 
     def _record(self, act, step: int) -> Record:
         kind = int(act.kind)
+        to_mono = self.to_mono
         if kind == p.KIND_MEMORY2:
-            start = end = self.to_mono(int(act.timestamp))
+            start = int(act.timestamp)
+            start = end = to_mono(start) if to_mono else start
         else:
             # the start is mapped; the duration is kept as CUPTI measured it (mapping both ends would
             # round it by a nanosecond either way for a drift nobody can see inside one kernel)
-            start = self.to_mono(int(act.start))
-            end = start + max(0, int(act.end) - int(act.start))
+            start, end = int(act.start), int(act.end)
+            mapped = to_mono(start) if to_mono else start
+            start, end = mapped, mapped + max(0, end - start)
         device = int(getattr(act, "device_id", p.NO_DEVICE)) if kind not in p.API_KINDS else p.NO_DEVICE
         stream = int(getattr(act, "stream_id", 0) or 0) if kind not in p.API_KINDS else 0
         return (step, start, end, int(act.correlation_id), self.name_hash(act), kind,
