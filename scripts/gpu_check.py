@@ -366,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--parts", default="preflight,nvml,throughput,trace,gpu-tests")
+    p.add_argument("--parts", default="trace,throughput,nvml,gpu-tests")
     args = p.parse_args(argv)
     where = ("tiny", "cpu", "cpu") if args.rehearse else ("small", "cuda", "cuda")
     args.model, args.device, args.profile = where
@@ -378,10 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     tmp.mkdir(parents=True, exist_ok=True)
     wanted = args.parts.split(",")
     facts = preflight(res, args)
-    steps = [
-        ("nvml", lambda: nvml_part(res, args)),
-        ("throughput", lambda: throughput_part(res, args, facts)),
+    steps = [  # the most telling first: a run cut short by the time limit still has them
         ("trace", lambda: trace_part(res, args, facts, tmp)),
+        ("throughput", lambda: throughput_part(res, args, facts)),
+        ("nvml", lambda: nvml_part(res, args)),
         ("gpu-tests", lambda: gpu_tests_part(res, args, facts)),
     ]
     for name, fn in steps:
