@@ -235,3 +235,42 @@ def test_random_trace_ids_are_stable_across_exporter_restarts(store):
     steps = store.query("SELECT DISTINCT trace_id FROM token_steps")["trace_id"].to_pylist()
     assert trace_ids(first) == trace_ids(second)  # the salt is kept in otlp_state
     assert trace_ids(first).isdisjoint({bytes.fromhex(t) for t in steps})  # not the prompt-hash id
+
+
+class MetricsKeeper(ScriptedTransport):
+    def send_metrics(self, request):
+        self.last_metrics = {m.name: m for m in request.resource_metrics[0].scope_metrics[0].metrics}
+        return SendResult(ok=True)
+
+
+def test_trace_sampling_sends_the_kernels_traces_and_metrics_still_count_everything(store):
+    from llmobs.bpf.records import trace_kept
+
+    steps = fill(store, requests=40, tokens=3, batch_rows=1)
+    transport = MetricsKeeper()
+    counters = OtlpExporter(store.connection.cursor(), config(sample_n=4), transport).run()
+    traces = set(steps["trace_id"].to_pylist())
+    kept = {t for t in traces if trace_kept(int(t[:16], 16), int(t[16:], 16), 4)}
+    assert 0 < len(kept) < len(traces)  # the hash keeps some, not all
+    sent = {s.trace_id.hex() for r in transport.acked_requests for rs in r.resource_spans
+            for sc in rs.scope_spans for s in sc.spans}  # fmt: skip
+    assert sent == kept
+    assert counters.spans_sent == 4 * len(kept) and counters.spans_sampled_out == 4 * (
+        len(traces) - len(kept)
+    )
+    tokens = transport.last_metrics["llmobs.tokens"].sum.data_points
+    assert sum(p.as_int for p in tokens) == 120  # metrics see every token, sampled out or not
+    exemplar_traces = {e.trace_id.hex() for p in tokens for e in p.exemplars}
+    assert exemplar_traces <= kept  # exemplars only link to spans that were sent
+    assert ExportCursor(store.connection).pending_steps() == 0
+
+
+def test_per_pass_metrics_count_a_pass_once_when_its_rows_straddle_batches(store):
+    from llmobs import correlate
+
+    fill(store, requests=4, tokens=5, batch_rows=2)  # 10 forward passes of 2 rows
+    correlate.correlate(store.connection)
+    transport = MetricsKeeper()
+    OtlpExporter(store.connection.cursor(), config(batch_spans=3), transport).run()  # odd: passes split
+    allocations = transport.last_metrics["llmobs.step.allocations"].histogram.data_points[0]
+    assert allocations.count == 10

@@ -62,6 +62,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="trace id per request: the prompt-hash id (default) or a salted random one",
     )
     parser.add_argument("--batch", type=int, dest="batch_spans", metavar="N", help="token steps per request")
+    parser.add_argument(
+        "--sample",
+        type=int,
+        dest="sample_n",
+        metavar="N",
+        help="send the spans of 1 request in N (the kernel's trace-id hash); metrics count all",
+    )
     parser.add_argument("--config", metavar="FILE", help="TOML file with an [otlp] table")
     parser.add_argument(
         "--give-up-after",
@@ -88,6 +95,7 @@ def _cli_values(args: argparse.Namespace) -> dict[str, object]:
         "service_name": args.service_name,
         "trace_id_mode": args.trace_id_mode,
         "batch_spans": args.batch_spans,
+        "sample_n": args.sample_n,
     }
     if args.header:
         values["headers"] = otlp_config.parse_key_values(",".join(args.header), "--header")

@@ -67,6 +67,7 @@ class OtlpConfig:
     resource_attributes: dict[str, str] = field(default_factory=dict)
     trace_id_mode: str = "prompt"  # prompt: the request's prompt-hash trace id; random: per request
     batch_spans: int = 512  # token-step spans per OTLP request (memory bound: one batch in flight)
+    sample_n: int = 1  # export the spans of 1 request in N, chosen by the kernel's trace-id hash
     max_events_per_span: int = 64  # sampled probe events kept per token-step span; the rest are counted
     metrics_interval_s: float = 10.0
     settle_s: float = 2.0  # --follow: a step is exported once this old (its late events have landed)
@@ -215,6 +216,8 @@ def validate(config: OtlpConfig) -> OtlpConfig:
         raise OtlpConfigError(f"trace id mode {config.trace_id_mode!r} is not one of prompt, random")
     if config.timeout_s <= 0 or config.batch_spans <= 0 or config.backoff_initial_s <= 0:
         raise OtlpConfigError("timeout, batch size and backoff must be positive")
+    if config.sample_n < 1:
+        raise OtlpConfigError("the sampling ratio N (of 1/N) must be at least 1")
     if config.backoff_max_s < config.backoff_initial_s:
         raise OtlpConfigError("the maximum backoff must be at least the initial backoff")
     if bool(config.client_key) != bool(config.client_certificate):

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import duckdb
 
 from llmobs import clock
+from llmobs.bpf.records import trace_kept
 from llmobs.errors import LlmobsError
 from llmobs.otlp.backoff import Backoff
 from llmobs.otlp.config import OtlpConfig
@@ -61,6 +62,8 @@ class ExportCounters:
     spans_sent: int = 0  # acknowledged by the collector (minus any it rejected)
     spans_failed: int = 0  # spans in attempts that failed; a batch tried 3 times counts 3 times
     spans_dropped: int = 0  # rejected for good (partial success, or a non-retryable bad-data answer)
+    spans_sampled_out: int = 0  # not sent because 1/N trace sampling left their trace out (still counted
+    #                             in the metrics)
     batches_sent: int = 0
     attempts_failed: int = 0
     retries: int = 0
@@ -119,10 +122,23 @@ class OtlpExporter:
             flush=not follow,
         )
 
+    def _kept(self, trace_hex: str) -> bool:
+        """1/N trace sampling: the kernel's own decision for this trace id (bpf trace_kept)."""
+        try:
+            hi, lo = int(trace_hex[:16], 16), int(trace_hex[16:32], 16)
+        except ValueError:
+            return True  # an untracked / malformed id: keep (it cannot be matched to kernel samples)
+        return trace_kept(hi, lo, self.config.sample_n)
+
     def _deliver(self, batch: StepBatch, give_up_at_ns: int | None) -> bool:
         """Send `batch` until acked (True) or stopped / given up / refused by configuration (False)."""
-        request = self.encoder.encode(batch)
-        spans = batch.span_count
+        sent = batch if self.config.sample_n <= 1 else batch.only(self._kept)
+        spans = sent.span_count
+        self.counters.spans_sampled_out += batch.span_count - spans
+        if spans == 0:  # every trace of the batch sampled out: nothing to send, still progress
+            self._acked(batch, 0, SendResult(ok=True))
+            return True
+        request = self.encoder.encode(sent)
         size = request.ByteSize()
         self.counters.max_batch_spans = max(self.counters.max_batch_spans, spans)
         self.counters.max_batch_bytes = max(self.counters.max_batch_bytes, size)
@@ -163,7 +179,7 @@ class OtlpExporter:
         self.counters.batches_sent += 1
         self.backoff.reset()
         try:
-            self.metrics.observe(batch)
+            self.metrics.observe(batch, None if self.config.sample_n <= 1 else self._kept)
             self._metrics_dirty = True
         except Exception as exc:  # metrics are derived; a bug there must not stop the spans
             self.counters.last_error = f"metrics: {exc}"

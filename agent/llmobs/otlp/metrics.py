@@ -112,10 +112,13 @@ class MetricsAggregator:
     def _sum(self, name: str, attrs: Attrs) -> SumPoint:
         return self.sums.setdefault(name, {}).setdefault(attrs, SumPoint())
 
-    def observe(self, batch: StepBatch) -> None:
+    def observe(self, batch: StepBatch, exported=None) -> None:
+        """Count every step of `batch`; exemplars only point at spans `exported(trace_id_hex)` accepts
+        (all when None): with 1/N trace sampling the metrics stay exact and the links resolve."""
         first_span: dict[tuple[int, int], Exemplar] = {}
         for step in batch.steps:
             pid, trace_hex = step["pid"], step["trace_id"]
+            linked = exported is None or exported(trace_hex)
             trace_id = self.ids.trace_id(pid, trace_hex)
             span_id = self.ids.step_span_id(pid, trace_hex, step["step_seq"], step["batch_row"])
             time_ns = step["t_end_ns"] + self.offset
@@ -124,31 +127,37 @@ class MetricsAggregator:
             by_model: Attrs = (("gen_ai.request.model", model),)
             latency_s = (step["latency_ns"] or (step["t_end_ns"] - step["t_start_ns"])) / 1e9
             self._hist("gen_ai.server.time_per_output_token", by_model, TIME_PER_TOKEN_BOUNDS).record(
-                latency_s, Exemplar(latency_s, time_ns, trace_id, span_id)
+                latency_s, Exemplar(latency_s, time_ns, trace_id, span_id) if linked else None
             )
             loss = step["loss"]
             if loss is not None and loss == loss:
                 self._hist("llmobs.token.loss", by_model, LOSS_BOUNDS).record(
-                    float(loss), Exemplar(float(loss), time_ns, trace_id, span_id)
+                    float(loss), Exemplar(float(loss), time_ns, trace_id, span_id) if linked else None
                 )
             tokens = self._sum("llmobs.tokens", (("gen_ai.request.model", model), ("llmobs.tenant", tenant)))
             tokens.value += 1
-            tokens.exemplar = Exemplar(1.0, time_ns, trace_id, span_id)
-            first_span.setdefault((pid, step["step_seq"]), Exemplar(0.0, time_ns, trace_id, span_id))
+            if linked:
+                tokens.exemplar = Exemplar(1.0, time_ns, trace_id, span_id)
+                first_span.setdefault((pid, step["step_seq"]), Exemplar(0.0, time_ns, trace_id, span_id))
+        # A forward pass's rows may straddle two batches; its per-pass values are counted by the batch
+        # holding its first row (batch_row 0), so a pass is counted once.
+        owned = {(s["pid"], s["step_seq"]) for s in batch.steps if s["batch_row"] == 0}
         for key, rollup in batch.rollups.items():
-            ex = first_span.get(key)
-            if ex is None:
+            if key not in owned:
                 continue
+            ex = first_span.get(key)
             for column, name in (
                 ("launches", "llmobs.step.launches"),
                 ("allocations", "llmobs.step.allocations"),
             ):
                 value = float(rollup[column] or 0)
-                self._hist(name, (), COUNT_BOUNDS).record(
-                    value, Exemplar(value, ex.time_ns, ex.trace_id, ex.span_id)
-                )
+                link = Exemplar(value, ex.time_ns, ex.trace_id, ex.span_id) if ex is not None else None
+                self._hist(name, (), COUNT_BOUNDS).record(value, link)
         for row in batch.gpu_time:
-            ex = first_span.get((row["pid"], row["step_seq"]))
+            key = (row["pid"], row["step_seq"])
+            if key not in owned:
+                continue
+            ex = first_span.get(key)
             seconds = (row["gpu_ns"] or 0) / 1e9
             point = self._sum("llmobs.gpu.time", (("llmobs.kernel.class", kernel_class(row["name"])),))
             point.value += seconds

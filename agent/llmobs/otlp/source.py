@@ -161,6 +161,17 @@ class StepBatch:
     def span_count(self) -> int:
         return len(self.steps) + len(self.requests)
 
+    def only(self, keep) -> StepBatch:
+        """The part of this batch whose trace `keep(trace_id_hex)` accepts (for 1/N trace sampling)."""
+        return StepBatch(
+            [s for s in self.steps if keep(s["trace_id"])],
+            [e for e in self.events if keep(e["trace_id"])],
+            self.rollups,
+            self.gpu_time,
+            [r for r in self.requests if keep(r["trace_id"])],
+            self.processes,
+        )
+
 
 class ExportCursor:
     """Reads unexported rows from a store connection and commits progress after an ack."""
