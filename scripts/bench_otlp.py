@@ -8,6 +8,7 @@ of this shared 2-core machine hits them alike:
   http        OTLP/HTTP (protobuf) to rotel
   encode-only the same loop with a transport that acknowledges without sending: the store read +
               encoding share of the cost, to see what the wire adds
+  grpc 1/10   gRPC with --sample 10: spans of 1 request in 10 (every step still read, metrics exact)
 
 CPU is this process's CPU time (user + system, every thread, DuckDB's included) per 1,000 spans; rotel's
 own CPU is shown for reference. Run: .venv/bin/python scripts/bench_otlp.py [--steps N] [--rounds R]
@@ -69,8 +70,12 @@ def export_once(store: DuckDBStore, mode: str, rotel: Rotel, batch: int) -> tupl
         conn.execute(statement)
     conn.execute("DELETE FROM otlp_cursor")
     conn.execute("DELETE FROM otlp_requests")
-    if mode == "grpc":
-        config = resolve({"endpoint": rotel.grpc_endpoint, "protocol": "grpc", "batch_spans": batch}, env={})
+    if mode in ("grpc", "grpc 1/10"):
+        sample_n = 10 if mode == "grpc 1/10" else 1
+        config = resolve(
+            {"endpoint": rotel.grpc_endpoint, "protocol": "grpc", "batch_spans": batch, "sample_n": sample_n},
+            env={},
+        )
         transport = None
     elif mode == "http":
         config = resolve(
@@ -103,7 +108,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench-otlp-") as tmp:
         db = Path(tmp) / "bench.duckdb"
         steps = build_store(db, args.steps, args.tokens, args.batch_rows)
-        modes = ("grpc", "http", "encode-only")
+        modes = ("grpc", "http", "encode-only", "grpc 1/10")
         results: dict[str, list[tuple[int, float, float, float]]] = {m: [] for m in modes}
         with Rotel(Path(tmp) / "rotel") as rotel, DuckDBStore(db) as store:
             print(
@@ -120,7 +125,7 @@ def main() -> int:
         base = statistics.median(r[2] / r[0] * 1000 for r in results["encode-only"])
         print(
             f"{'mode':<12} {'spans':>7} {'spans/s':>9} {'agent CPU ms/1k spans':>22} {'x encode-only':>14}"
-            f" {'rotel CPU ms/1k':>16}"
+            f" {'rotel CPU ms/1k':>16} {'agent CPU ms/1k steps':>22}"
         )
         for mode in modes:
             rows = results[mode]
@@ -133,6 +138,7 @@ def main() -> int:
             print(
                 f"{mode:<12} {spans:>7,} {rate:>9,.0f} {cpu_per_k * 1000:>19,.1f} ms"
                 f" {cpu_per_k / base:>13.2f}x {rotel_per_k * 1000:>13,.1f} ms"
+                f" {statistics.median(r[2] / steps * 1000 for r in rows) * 1000:>19,.1f} ms"
             )
         print(f"(medians of {args.rounds} interleaved rounds; CPU = this process, all threads)")
     return 0
