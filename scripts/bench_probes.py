@@ -475,6 +475,7 @@ def bench_workload(rounds: int, tokens: int, profile: str) -> None:
     for mode, n_tokens in (("gen", tokens), ("fwd", 256)):
         for threads in (1, 2):
             runs = {"none": [], "agent": []}
+            hits: dict[str, list[float]] = {}
             target.ask(f"{mode} {min(n_tokens, 8)} {threads}")  # settle the thread pool
             for index in range(rounds):
                 order = ("none", "agent") if index % 2 == 0 else ("agent", "none")  # ABBA: no order bias
@@ -482,7 +483,8 @@ def bench_workload(rounds: int, tokens: int, profile: str) -> None:
                     running = RunningAgent(target.pid, "--profile", profile) if arm == "agent" else None
                     runs[arm].append(target.ask_all(f"{mode} {n_tokens} {threads}"))
                     if running:
-                        running.stop()
+                        for probe, slot in running.stop()["per_probe"].items():
+                            hits.setdefault(probe, []).append(slot["count"] / n_tokens)
             wall = [a[0] / b[0] for a, b in zip(runs["agent"], runs["none"], strict=True)]
             cpu = [a[1] / b[1] for a, b in zip(runs["agent"], runs["none"], strict=True)]
             none_tps = statistics.median(r[0] for r in runs["none"])
@@ -491,6 +493,8 @@ def bench_workload(rounds: int, tokens: int, profile: str) -> None:
             row = f"{mode:<5} {threads:>7} " + " ".join(f"{v:>11}" for v in values)
             per_round = " ".join(f"{r:.2f}" for r in wall)
             print(f"{row} {statistics.median(cpu):>11.3f}  wall per round: {per_round}", flush=True)
+            per_token = ", ".join(f"{p} {statistics.median(h):,.0f}" for p, h in sorted(hits.items()))
+            print(f"{'':<13} probe hits per token (the agent's exact counts): {per_token}", flush=True)
     target.close()
 
 

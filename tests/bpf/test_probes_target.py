@@ -27,6 +27,7 @@ import struct
 import subprocess
 import sys
 import termios
+from pathlib import Path
 
 
 class ContextCell:
@@ -115,25 +116,38 @@ def _bpftool(*args: str) -> str:
     return subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True).stdout
 
 
+def _prog_ids_held_by_processes() -> set[int]:
+    """Ids of the BPF programs some live process holds an fd to (from /proc/*/fdinfo)."""
+    held = set()
+    for fdinfo in Path("/proc").glob("[0-9]*/fdinfo/*"):
+        try:
+            text = fdinfo.read_text()
+        except OSError:
+            continue  # the process or fd went away meanwhile
+        for line in text.splitlines():
+            if line.startswith("prog_id:"):
+                held.add(int(line.split()[1]))
+    return held
+
+
 def leftovers(agent_pid: int | None = None, target_pid: int | None = None) -> dict[str, list]:
     """What llmobs probes are still in the kernel: perf-event uprobes/tracepoints held by the agent
-    pid or placed on the target's libraries, tracefs uprobe_events lines, our programs by name."""
-    perf = json.loads(
-        subprocess.run(["bpftool", "-j", "perf", "list"], capture_output=True, text=True).stdout or "[]"
-    )
+    pid or placed on the target's libraries, tracefs uprobe_events lines, and llmobs programs that no
+    live process holds (other test runs may load their own at the same time: those are not leaks)."""
+    perf = json.loads(_bpftool("perf", "list") or "[]")
     held = [
         entry
         for entry in perf
         if entry.get("pid") == agent_pid
         or (target_pid is not None and f"/proc/{target_pid}/" in entry.get("filename", ""))
     ]
-    progs = json.loads(
-        subprocess.run(["bpftool", "-j", "prog", "list"], capture_output=True, text=True).stdout
-    )
-    ours = [p["name"] for p in progs if p.get("name", "").startswith(OUR_PROGRAM_PREFIXES)]
+    progs = json.loads(_bpftool("prog", "list") or "[]")
+    ours = {p["id"]: p["name"] for p in progs if p.get("name", "").startswith(OUR_PROGRAM_PREFIXES)}
+    owned = _prog_ids_held_by_processes() if ours else set()
+    orphans = sorted(name for prog_id, name in ours.items() if prog_id not in owned)
     with open("/sys/kernel/tracing/uprobe_events") as handle:
         uprobe_events = [line for line in handle.read().splitlines() if line.strip()]
-    return {"perf": held, "programs": ours, "uprobe_events": uprobe_events}
+    return {"perf": held, "programs": orphans, "uprobe_events": uprobe_events}
 
 
 def main() -> int:
