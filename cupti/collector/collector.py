@@ -75,7 +75,7 @@ class CuptiCollector:
         self.active = False  # from handle() until the drain thread has written MARK_END
         self._subscriber = None
         self._enabled: list[int] = []
-        self._pushed = False
+        self._pushed: dict[int, bool] = {}  # thread -> an id of ours is on its (per-thread) CUPTI stack
         self._buffers: collections.deque = collections.deque()
         self.queue_dropped = 0
         self._start_event = threading.Event()
@@ -145,13 +145,13 @@ class CuptiCollector:
             self.lost_ownership = True
             self.stop()
             return
+        tid = threading.get_ident()  # CUPTI's external-id stack is per thread: pop only what we pushed here
         try:
-            if self._pushed:
+            if self._pushed.pop(tid, False):
                 cupti.activity_pop_external_correlation_id(p.EXTERNAL_KIND_CUSTOM2)
-                self._pushed = False
             if step_seq:
                 cupti.activity_push_external_correlation_id(p.EXTERNAL_KIND_CUSTOM2, step_seq)
-                self._pushed = True
+                self._pushed[tid] = True
         except Exception as exc:  # never into the workload
             self.last_error = f"external correlation: {exc}"
 

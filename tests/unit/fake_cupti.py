@@ -48,7 +48,7 @@ class FakeCupti:
         self.subscribed_by = subscribed_by
         self.enabled: set[int] = set()
         self.callbacks = None
-        self.stacks: dict[int, list[int]] = {}
+        self.stacks: dict[tuple[int, int], list[int]] = {}  # (thread, kind) -> ids: per thread, as in CUPTI
         self.buffer: list = []
         self.correlation = 0
         self.subscribers = 0
@@ -76,11 +76,17 @@ class FakeCupti:
         self.enabled.discard(int(kind))
 
     def activity_push_external_correlation_id(self, kind, ident):
-        self.stacks.setdefault(int(kind), []).append(int(ident))
+        self.stacks.setdefault((threading.get_ident(), int(kind)), []).append(int(ident))
         self.pushes += 1
 
     def activity_pop_external_correlation_id(self, kind):
-        return self.stacks[int(kind)].pop()
+        stack = self.stacks.get((threading.get_ident(), int(kind)))
+        if not stack:
+            raise cuptiError("CUPTI_ERROR_QUEUE_EMPTY")
+        return stack.pop()
+
+    def stack_of_this_thread(self, kind=p.EXTERNAL_KIND_CUSTOM2) -> list[int]:
+        return self.stacks.get((threading.get_ident(), kind), [])
 
     def activity_flush_all(self, flag):
         self._complete()
@@ -102,7 +108,7 @@ class FakeCupti:
             self.correlation += 1
             corr = self.correlation
             now = self.get_timestamp()
-            stack = self.stacks.get(p.EXTERNAL_KIND_CUSTOM2) or []
+            stack = self.stack_of_this_thread()
             if p.KIND_EXTERNAL_CORRELATION in self.enabled and stack:
                 ext = p.EXTERNAL_KIND_CUSTOM2
                 self._add(SimpleNamespace(kind=p.KIND_EXTERNAL_CORRELATION, correlation_id=corr,

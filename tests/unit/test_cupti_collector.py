@@ -103,7 +103,7 @@ def test_collects_k_steps_tagged_with_their_step(shm):
     assert cap.clock.residual_ns < 50_000
     # off again: a later step records nothing and the collector gave CUPTI back
     assert fake.enabled == set() and fake.subscribers == 0
-    assert fake.stacks[p.EXTERNAL_KIND_CUSTOM2] == []
+    assert all(stack == [] for stack in fake.stacks.values())
     assert w.step_hook is None
     assert not c.active
 
@@ -248,3 +248,27 @@ def test_install_registers_nothing_without_cuda(shm):
         assert writer_mod._command_handlers[layout.CMD_COLLECT_CUPTI] == forced.handle
     finally:
         lc._collector = None
+
+
+def test_external_ids_are_pushed_and_popped_per_thread(shm):
+    """CUPTI's external-id stack is per thread: a step begun on another thread must not pop ours."""
+    import threading
+
+    w, d = shm
+    fake = FakeCupti()
+    c = _collector(fake)
+    with ControlClient(w.pid, d) as ctl:
+        ctl.post(layout.CMD_COLLECT_CUPTI, 3)
+        first = _steps(w, fake, 1)[0][0]
+        other = threading.Thread(target=_steps, args=(w, fake, 1))
+        other.start()
+        other.join(10)
+        assert fake.stack_of_this_thread() == [first]  # ours is still there, untouched
+        w.clear_context()  # the request on this thread ends: our id comes off our stack
+        assert fake.stack_of_this_thread() == []
+        _steps(w, fake, 2)
+    with ShmReader(w.pid, shm_dir=d) as r:
+        cap = _read_until_end(r)
+    assert c.last_error is None
+    kernels = cap.array()[cap.array()["kind"] == p.KIND_CONCURRENT_KERNEL]
+    assert sorted(set(kernels["step_seq"].tolist())) == [first, first + 1, first + 2]
