@@ -12,6 +12,12 @@ Synchronisation without sleeps:
   --wait-stdin        after "ready", wait for one line on stdin before generating (lets a tracer attach)
   --hold              after "done", stay alive until stdin reaches EOF or a line arrives (or SIGTERM)
   --requests 0        generate forever (until SIGTERM/SIGINT), e.g. for attach tests
+For end-to-end checks of the agent (tests/bpf/test_pipeline_e2e.py):
+  --record PATH       one JSON line per request: the chosen tokens, their losses computed here from
+                      generate()'s own logits (independently of the publisher), the step_seq of each
+                      forward pass and the extra allocations it made
+  --alloc-bytes B     a phase with known allocations per step: every forward pass allocates
+                      1 + step_seq % 3 CPU tensors of exactly B bytes (inside the forward, so tagged)
 The last line on stdout is a JSON summary: pid, requests, tokens, seconds, tokens_per_s, map.
 """
 
@@ -103,7 +109,7 @@ def encode(tokenizer, prompts: list[str]):
     return enc["input_ids"], enc["attention_mask"]
 
 
-def generate_once(model, tokenizer, prompts: list[str], max_new_tokens: int):
+def generate_once(model, tokenizer, prompts: list[str], max_new_tokens: int, logits: bool = False):
     import torch
 
     ids, mask = encode(tokenizer, prompts)
@@ -111,8 +117,42 @@ def generate_once(model, tokenizer, prompts: list[str], max_new_tokens: int):
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            return_dict_in_generate=logits, output_logits=logits,
         )  # fmt: skip
     return ids, out
+
+
+def own_losses(ids, out) -> tuple[list[list[int]], list[list[float]]]:
+    """(chosen tokens, their cross-entropy) per row, from generate()'s logits: the reference the
+    published losses are checked against."""
+    import torch
+
+    chosen = out.sequences[:, ids.shape[1] :]
+    logits = torch.stack(out.logits, 1).float()  # [B, T, V]
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), chosen, reduction="none")
+    return chosen.tolist(), losses.tolist()
+
+
+class AllocPhase:
+    """Known allocations per step: 1 + step_seq % 3 tensors of `nbytes` during each forward pass."""
+
+    def __init__(self, model, nbytes: int):
+        self.nbytes = nbytes
+        self.per_step: list[list[int]] = []  # [step_seq, allocations] of the forwards since the last take
+        model.get_output_embeddings().register_forward_hook(self._hook)
+
+    def _hook(self, module, args, output):
+        import torch
+        from llmobs.shm.writer import get_writer
+
+        seq = get_writer().step_seq
+        count = 1 + seq % 3
+        kept = [torch.empty(self.nbytes, dtype=torch.uint8) for _ in range(count)]
+        self.per_step.append([seq, len(kept)])
+
+    def take(self) -> list[list[int]]:
+        taken, self.per_step = self.per_step, []
+        return taken
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=4, help="generate() calls; 0 = until SIGTERM")
     p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (exactly this many)")
     p.add_argument("--batch", type=int, default=1, help="prompts per request")
-    p.add_argument("--tenant", default="demo", help="tenant of every request")
+    p.add_argument("--tenant", default="demo", help="tenant of the requests (a,b,...: taken in turn)")
     p.add_argument("--session", default=None, help="session of every request (default: session-<n>)")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
@@ -130,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-fd", type=int, help="write the JSON lines to this inherited fd")
     p.add_argument("--wait-stdin", action="store_true", help="after ready, wait for a line on stdin")
     p.add_argument("--hold", action="store_true", help="after done, wait for stdin EOF or a line")
+    p.add_argument("--record", help="write per request: chosen tokens, own losses, step_seqs (JSON lines)")
+    p.add_argument("--alloc-bytes", type=int, default=0, help="allocate 1 + step_seq %% 3 tensors of B bytes")
     return p
 
 
@@ -164,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
 
         llmobs.instrument(model, tokenizer, model_id=model_id)
         map_path = get_writer().path
+    phase = AllocPhase(model, args.alloc_bytes) if args.alloc_bytes and not args.no_instrument else None
+    record = open(args.record, "w") if args.record else None  # noqa: SIM115 (closed at the end)
     _signal(args, "ready", map_path, model_id)
     if args.wait_stdin:
         sys.stdin.readline()
@@ -174,18 +218,28 @@ def main(argv: list[str] | None = None) -> int:
         while not stop["now"] and (args.requests == 0 or n < args.requests):
             prompts = [PROMPTS[(n + i) % len(PROMPTS)] for i in range(args.batch)]
             session = args.session or f"session-{n}"
+            tenants = args.tenant.split(",")
             if args.no_instrument:
                 generate_once(model, tokenizer, prompts, args.max_new_tokens)
             else:
                 import llmobs
 
-                with llmobs.context(tenant=args.tenant, session=session):
-                    generate_once(model, tokenizer, prompts, args.max_new_tokens)
+                with llmobs.context(tenant=tenants[n % len(tenants)], session=session):
+                    ids, out = generate_once(model, tokenizer, prompts, args.max_new_tokens, bool(record))
+                if record:
+                    chosen, losses = own_losses(ids, out)
+                    allocs = phase.take() if phase else []
+                    line = {"request": n, "tenant": tenants[n % len(tenants)], "session": session,
+                            "tokens": chosen, "losses": losses, "allocs": allocs}  # fmt: skip
+                    record.write(json.dumps(line) + "\n")
+                    record.flush()
             tokens += args.max_new_tokens * args.batch
             n += 1
     except KeyboardInterrupt:
         pass
     seconds = time.perf_counter() - started
+    if record:
+        record.close()
     _signal(args, "done", map_path, model_id)
     summary = {
         "pid": os.getpid(), "model": model_id, "requests": n, "tokens": tokens, "seconds": round(seconds, 4),

@@ -1,8 +1,9 @@
 """`llmobs-agent attach --pid N`: attach the eBPF probes to a running PyTorch process.
 
 Runs until Ctrl-C, SIGTERM, the end of --duration, or the target's exit; then detaches everything it
-attached and prints a summary (events per probe, per step). Events and exact aggregates go to
---out FILE (Parquet) until the [store] lands; --db is accepted for the command line it will have.
+attached and prints a summary (events per probe, per step). `--db [PATH]` sends the events, the exact
+aggregates and the token steps of the target's map into the DuckDB store (llmobs.pipeline: correlated
+while attached and once at detach); `--out FILE` writes events and aggregates to Parquet.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", metavar="FILE", help="write sampled events to FILE (.parquet) and aggregates beside it"
     )
-    parser.add_argument("--db", metavar="PATH", help="DuckDB store (coming with [store]; use --out for now)")
+    parser.add_argument(
+        "--db",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="store events, exact totals and the map's token steps in the DuckDB store at PATH "
+        "(default: $LLMOBS_DB or /var/lib/llmobs/llmobs.duckdb)",
+    )
     parser.add_argument("--ebpf", action="store_true", help="print the BPF C that would be loaded, and exit")
     parser.add_argument(
         "--ioctl-paths",
@@ -94,8 +102,6 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
     from llmobs.bpf import report
     from llmobs.bpf.output import ParquetEventWriter, aggregates_table, companion_paths, write_summary
 
-    if args.db:
-        print("note: --db arrives with [store]; events are not stored there yet (use --out)", file=sys.stderr)
     options = Options(
         profiles=profiles, sample_n=args.sample, sample_mode=args.sample_mode, ioctl_paths=args.ioctl_paths
     )
@@ -106,10 +112,12 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         stop["reason"] = signal.Signals(signum).name
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    writer = None
+    writer = pipeline = None
     try:
         session.start()
         report.attached(session)
+        if args.db is not None:
+            pipeline = _open_pipeline(args, session)
         if args.out:
             writer = ParquetEventWriter(companion_paths(args.out)[0], args.sample)
         status = report.StatusLine(session, args.status_interval)
@@ -118,6 +126,8 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
             events = session.poll()
             if writer:
                 writer.submit(events)
+            if pipeline:
+                pipeline.poll(events)
             status.add(events)
             if not session.target_alive():
                 stop["reason"] = "target exited"
@@ -133,11 +143,15 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
             writer.close()
             session.stats.user_drops += writer.dropped
             final["counters"]["user_drops"] = session.stats.user_drops
+        if pipeline:
+            stored = pipeline.close(events, final)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     status.finish()
     summary = report.summary(session, final, stop["reason"] or "stopped", status)
     report.print_summary(summary, sys.stderr)
+    if pipeline:
+        stored.print(sys.stderr)
     if args.out:
         _events_path, aggregates_path, summary_path = companion_paths(args.out)
         import pyarrow.parquet as pq
@@ -145,3 +159,11 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         pq.write_table(aggregates_table(final["totals"]), aggregates_path)
         write_summary(summary_path, summary)
     return 0
+
+
+def _open_pipeline(args: argparse.Namespace, session):
+    """The store sink for --db (PATH, or the default store when --db has no value)."""
+    from llmobs.pipeline import Pipeline
+    from llmobs.store import default_db_path
+
+    return Pipeline.open(args.db or default_db_path(), args.pid, session=session, sample_ratio=args.sample)

@@ -1,0 +1,314 @@
+"""Pipeline: one attached process's sources fanned out to queued sinks, correlated as data lands.
+
+The caller's drain loop calls `poll(events)` every ~20 ms with the ring batch it drained; the pipeline
+adds the token steps its ShmSource reads, hands the exact totals the session harvested (once a second)
+and fans everything out to its sinks (StoreWriter first; anything with `submit`/`flush`/`close` may be
+added). A background thread flushes the writer and runs the incremental correlate every few seconds on
+its own DuckDB cursor, so the drain loop never waits on the disk or on SQL. `close(events, final)`
+hands the last batches, stops the correlator, commits everything, runs one last correlate over the
+session's steps, and returns what went where.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+import pyarrow as pa
+
+from llmobs import clock
+from llmobs.bpf.profiles import PROBES
+from llmobs.correlate import CorrelateStats, correlate
+from llmobs.pipeline.live import LiveStats, remove_snapshot, snapshot_path, write_snapshot
+from llmobs.pipeline.sources import BpfSource, ShmSource
+from llmobs.procfs import ProcFS
+from llmobs.store.ingest import EventDecoder
+from llmobs.store.sink import DuckDBStore
+from llmobs.store.writer import StoreWriter
+
+CORRELATE_EVERY_S = 2.0
+# Events and exact totals of a step reach the store up to ~2 s after the step (the session harvests
+# finished steps once a second, the writer commits at most 1 s later): an incremental correlate
+# re-rolls the steps that started this long before its previous run, so late arrivals are counted.
+LATE_NS = 5_000_000_000
+SLOW_PERIOD_S = 1.0  # aggregate deltas, the live snapshot and the process row are refreshed this often
+CLOSE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class PipelineSummary:
+    db: str
+    pid: int
+    rows_by_table: dict[str, int] = field(default_factory=dict)
+    steps_read: int = 0
+    steps_lost: int = 0
+    steps_corrupt: int = 0
+    map_error: str | None = None
+    submitted_rows: int = 0
+    committed_rows: int = 0
+    dropped_rows: int = 0
+    failed_rows: int = 0
+    store_error: str | None = None
+    correlate_runs: int = 0
+    correlate_errors: int = 0
+    final_correlate: CorrelateStats | None = None
+    correlate_seconds: float = 0.0
+
+    def print(self, stream: TextIO = sys.stderr) -> None:
+        tables = ", ".join(f"{t} {n:,}" for t, n in sorted(self.rows_by_table.items()) if n)
+        print(f"store {self.db}: {tables or 'nothing written'}", file=stream)
+        print(
+            f"token steps from the map: {self.steps_read:,} read, {self.steps_lost:,} lost (ring lapped), "
+            f"{self.steps_corrupt:,} rejected" + (f"; map: {self.map_error}" if self.map_error else ""),
+            file=stream,
+        )
+        print(
+            f"store writer: {self.committed_rows:,} of {self.submitted_rows:,} rows committed, "
+            f"{self.dropped_rows:,} dropped (queue full), {self.failed_rows:,} failed"
+            + (f" ({self.store_error})" if self.store_error else ""),
+            file=stream,
+        )
+        final = self.final_correlate
+        if final is not None:
+            print(
+                f"correlate: {self.correlate_runs} incremental run(s) while attached, then {final.passes:,} "
+                f"forward passes rolled up ({final.tagged_events:,} events joined by tag, "
+                f"{final.windowed_events:,} by time window, {final.orphan_events:,} without a step), "
+                f"{final.requests:,} requests in {self.correlate_seconds:.2f} s",
+                file=stream,
+            )
+        elif self.correlate_errors:
+            print(f"correlate: failed ({self.store_error})", file=stream)
+
+
+class Pipeline:
+    """Sources of one pid -> StoreWriter (+ extra sinks) -> periodic correlate."""
+
+    def __init__(
+        self,
+        store: DuckDBStore,
+        pid: int,
+        *,
+        session=None,
+        sample_ratio: int = 1,
+        correlate_every_s: float = CORRELATE_EVERY_S,
+        extra_sinks: tuple = (),
+        snapshot: Path | None | bool = True,
+        owns_store: bool = False,
+        shm: ShmSource | None = None,
+    ):
+        self.store = store
+        self.pid = pid
+        self.owns_store = owns_store
+        self.writer = StoreWriter(store, EventDecoder([p.name for p in PROBES], sample_ratio=sample_ratio))
+        self.sinks = [self.writer, *extra_sinks]
+        self.shm = shm or ShmSource(pid)
+        self.bpf = BpfSource(session) if session is not None else None
+        self.live = LiveStats(pid)
+        self.started_ns = clock.monotonic_ns()
+        self.first_step_ns: int | None = None
+        self.correlate_runs = 0
+        self.correlate_errors = 0
+        self.last_error: str | None = None
+        self._since_lock = threading.Lock()
+        self._pending_since: int | None = None  # oldest step start submitted since the last correlate
+        self._next_slow = 0.0
+        self._closed = False
+        self._snapshot = snapshot_path(pid) if snapshot is True else (snapshot or None)
+        self._snapshot_ok = self._snapshot is not None
+        self._process = self._process_row()
+        self._stop = threading.Event()
+        self._correlator = threading.Thread(
+            target=self._correlate_loop, args=(correlate_every_s,), name="llmobs-correlate", daemon=True
+        )
+        try:
+            store.record_clock_fit("wall", clock.WallClock.measure())
+            store.upsert_process(pid, self._process["start_ns"], **self._process["columns"])
+        except Exception as exc:  # bookkeeping rows must not stop the data path
+            self.last_error = str(exc)
+        self._correlator.start()
+
+    @classmethod
+    def open(cls, db: str | Path, pid: int, **options) -> Pipeline:
+        """A pipeline owning a DuckDBStore it opens at `db` (closed by `close`)."""
+        return cls(DuckDBStore(db), pid, owns_store=True, **options)
+
+    # ---- running ----------------------------------------------------------------------------------
+    def _process_row(self) -> dict:
+        procfs = ProcFS()
+        columns: dict[str, object] = {"first_seen_ns": clock.monotonic_ns()}
+        start_ns = 0
+        try:
+            start_ns = procfs.start_time_ticks(self.pid) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+            columns["exe"] = procfs.exe(self.pid)
+            columns["cmdline"] = " ".join(procfs.cmdline(self.pid))
+        except Exception:
+            pass  # a process gone before we looked: the row keeps what we have
+        return {"start_ns": start_ns, "columns": columns}
+
+    def _fan_out(self, item) -> None:
+        for sink in self.sinks:
+            try:
+                sink.submit(item)
+            except Exception as exc:  # a sink never raises into the pipeline
+                self.last_error = f"{type(sink).__name__}: {exc}"
+
+    def poll(self, events: np.ndarray | None = None) -> int:
+        """Hand one drained ring batch (may be empty) and whatever the map has; returns steps read."""
+        if events is not None and len(events):
+            self._fan_out(events)
+        steps = self.shm.poll()
+        count = 0
+        if steps is not None:
+            count = len(steps["step_seq"])
+            oldest = int(np.min(steps["t_start_ns"]))
+            if self.first_step_ns is None or oldest < self.first_step_ns:
+                self.first_step_ns = oldest
+            with self._since_lock:
+                if self._pending_since is None or oldest < self._pending_since:
+                    self._pending_since = oldest
+            self.live.add_steps(steps)
+            self._fan_out({"token_steps": steps})
+        if time.monotonic() >= self._next_slow:
+            self._next_slow = time.monotonic() + SLOW_PERIOD_S
+            self._hand_aggregates()
+            self._write_snapshot()
+        return count
+
+    def _hand_aggregates(self, table: pa.Table | None = None) -> None:
+        if table is None and self.bpf is not None:
+            table = self.bpf.harvested_deltas()
+        if table is not None and table.num_rows:
+            self.live.add_aggregates(table)
+            self._fan_out({"probe_aggregates": table})
+
+    def drops(self) -> dict[str, int]:
+        """Every place data can be lost, by name (kernel ring, map ring, writer queue, store)."""
+        out = {f"map_{k}": v for k, v in self.shm.counters().items() if k != "steps"}
+        if self.bpf is not None:
+            try:
+                counters = self.bpf.session.counters()
+            except Exception:
+                counters = {}
+            out["ring_drops"] = counters.get("ring_drops", 0)
+            out["agg_overflow"] = counters.get("agg_overflow", 0)
+        out["store_dropped"] = self.writer.counters.dropped_rows
+        out["store_failed"] = self.writer.counters.failed_rows
+        return out
+
+    def _write_snapshot(self) -> None:
+        if not self._snapshot_ok:
+            return
+        data = {
+            "agent_pid": os.getpid(),
+            "pid": self.pid,
+            "db": str(self.store.path),
+            "map": self.shm.map_path,
+            "updated_ns": clock.monotonic_ns(),
+            "stats": self.live.row(),
+            "drops": self.drops(),
+            "attached": [p.name for p in self.bpf.session.attached_probes] if self.bpf else [],
+        }
+        try:
+            self._snapshot.parent.mkdir(parents=True, exist_ok=True)
+            write_snapshot(self._snapshot, data)
+        except OSError as exc:  # no /run/llmobs (not root): `top` falls back to reading the map
+            self._snapshot_ok = False
+            self.last_error = f"snapshot {self._snapshot}: {exc.strerror}"
+
+    # ---- correlate --------------------------------------------------------------------------------
+    def _take_since(self, previous_run_ns: int | None) -> int:
+        with self._since_lock:
+            pending, self._pending_since = self._pending_since, None
+        candidates = [c for c in (pending, previous_run_ns and previous_run_ns - LATE_NS) if c]
+        return max(min(candidates), 0) if candidates else clock.monotonic_ns() - LATE_NS
+
+    def _correlate_loop(self, every_s: float) -> None:
+        conn = self.store.connection.cursor()  # its own connection: never contends with the writer's lock
+        previous: int | None = None
+        try:
+            while not self._stop.wait(every_s):
+                since = self._take_since(previous)
+                previous = clock.monotonic_ns()
+                if not self.writer.flush(timeout=every_s):
+                    continue  # the writer is behind; correlate next time over the same window
+                try:
+                    correlate(conn, since_ns=since, pid=self.pid)
+                    self.correlate_runs += 1
+                except Exception as exc:  # counted; the final run at close covers the whole session
+                    self.correlate_errors += 1
+                    self.last_error = f"correlate: {str(exc).splitlines()[0]}"
+        finally:
+            conn.close()
+
+    # ---- stop -------------------------------------------------------------------------------------
+    def close(self, events: np.ndarray | None = None, final: dict | None = None) -> PipelineSummary:
+        """Hand the last batches (the session's final drain and totals), commit all, correlate once."""
+        if self._closed:
+            raise RuntimeError("pipeline closed twice")
+        self._closed = True
+        if events is not None and len(events):
+            self._fan_out(events)
+        # the map's last steps: the reader's fd outlives the unlink of an exited process's map
+        while self.shm.reader is not None and self.poll():
+            pass
+        if self.bpf is not None and final is not None:
+            self._hand_aggregates(self.bpf._deltas(final.get("totals", {})))
+        self._stop.set()
+        self._correlator.join(CLOSE_TIMEOUT_S)
+        for sink in self.sinks:
+            try:
+                sink.close(CLOSE_TIMEOUT_S)
+            except Exception as exc:
+                self.last_error = f"{type(sink).__name__}: {exc}"
+        summary = self._summary()
+        began = time.perf_counter()
+        try:
+            since = max((self.first_step_ns or self.started_ns) - LATE_NS, 0)
+            summary.final_correlate = correlate(self.store.connection, since_ns=since, pid=self.pid)
+        except Exception as exc:
+            self.correlate_errors += 1
+            summary.store_error = f"correlate: {str(exc).splitlines()[0]}"
+        summary.correlate_seconds = time.perf_counter() - began
+        summary.correlate_errors = self.correlate_errors
+        try:
+            columns = {"last_seen_ns": clock.monotonic_ns(), "map_path": self.shm.map_path or None}
+            if not os.path.exists(f"/proc/{self.pid}"):
+                columns["exit_ns"] = columns["last_seen_ns"]
+            self.store.upsert_process(self.pid, self._process["start_ns"], **columns)
+        except Exception as exc:
+            summary.store_error = summary.store_error or str(exc)
+        self.shm.close()
+        if self._snapshot is not None:
+            remove_snapshot(self._snapshot)
+        if self.owns_store:
+            result = self.store.shutdown(CLOSE_TIMEOUT_S)
+            if not result.ok:
+                summary.store_error = summary.store_error or result.error
+        return summary
+
+    def _summary(self) -> PipelineSummary:
+        counters = self.writer.counters
+        shm = self.shm.counters()
+        return PipelineSummary(
+            db=str(self.store.path),
+            pid=self.pid,
+            rows_by_table=dict(self.store.counters.rows_by_table),
+            steps_read=shm["steps"],
+            steps_lost=shm["lost"],
+            steps_corrupt=shm["corrupt"],
+            map_error=self.shm.error,
+            submitted_rows=counters.submitted_rows,
+            committed_rows=counters.committed_rows,
+            dropped_rows=counters.dropped_rows,
+            failed_rows=counters.failed_rows,
+            store_error=self.store.counters.last_error or self.last_error,
+            correlate_runs=self.correlate_runs,
+            correlate_errors=self.correlate_errors,
+        )

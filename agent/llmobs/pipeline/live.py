@@ -1,0 +1,172 @@
+"""What `top` shows for one process, computed from the token steps and exact totals as they stream in,
+and the snapshot file through which a running `attach` shares it.
+
+Why a snapshot file: DuckDB admits one writer process and a read-only open of a file that process holds
+fails, so `top` cannot read the store while `attach` writes it; and the exact probe totals live in the
+attaching agent's BPF maps. `attach` therefore rewrites a small JSON file once a second (atomically,
+rename over) under $LLMOBS_RUN_DIR (default /run/llmobs); `top` reads those, and reads a process's map
+itself for the token columns when no agent is attached to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from llmobs import clock
+
+RUN_DIR_ENV = "LLMOBS_RUN_DIR"
+DEFAULT_RUN_DIR = Path("/run/llmobs")
+WINDOW_S = 10.0  # tokens/s and latency percentiles are over the last WINDOW_S seconds
+RECENT_STEPS = 64  # an idle process still shows the latency of its last steps
+WORK_STEPS = 256  # per-step work is averaged over the last WORK_STEPS finished steps
+STALE_AFTER_S = 5.0  # a snapshot not rewritten for this long belongs to a stuck or killed agent
+WORK_CLASSES = ("launch", "alloc", "free", "compute", "offcpu", "fault", "memcpy")
+
+
+def run_dir() -> Path:
+    return Path(os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
+
+
+def snapshot_path(pid: int, directory: Path | None = None) -> Path:
+    return (directory or run_dir()) / f"attach.{pid}.json"
+
+
+def probe_class(probe: str) -> str:
+    """The store's probe_class macro (schema.py), for the same columns without a database."""
+    name = probe.lower()
+    for needle, cls in (("launch", "launch"), ("free", "free"), ("alloc", "alloc"), ("memcpy", "memcpy")):
+        if needle in name:
+            return cls
+    if "sched_switch" in name or "off_cpu" in name or "offcpu" in name:
+        return "offcpu"
+    if "fault" in name:
+        return "fault"
+    if "gemm" in name or "linear" in name or "::mm" in name:
+        return "compute"
+    return "other"
+
+
+class LiveStats:
+    """Rolling numbers for one pid: tokens/s, per-token latency p50/p99, mean loss, work per step."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.tokens = 0
+        self.model_id = ""
+        self.tenants: set[str] = set()
+        self.first_start_ns: int | None = None
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=100_000)  # (t_end_ns, latency_ns, loss)
+        self._work: dict[int, dict[str, float]] = {}  # step_seq -> class -> count (offcpu: ns)
+
+    def add_steps(self, columns: dict) -> None:
+        n = len(columns["step_seq"])
+        if not n:
+            return
+        self.tokens += n
+        starts = np.asarray(columns["t_start_ns"])
+        if self.first_start_ns is None:
+            self.first_start_ns = int(starts.min())
+        self._steps.extend(
+            zip(
+                np.asarray(columns["t_end_ns"]).tolist(),
+                np.asarray(columns["latency_ns"]).tolist(),
+                np.asarray(columns["loss"], dtype=np.float64).tolist(),
+                strict=True,
+            )
+        )
+        if columns["model_id"]:
+            self.model_id = columns["model_id"][-1] or self.model_id
+        self.tenants.update(t for t in columns["tenant"] if t)
+
+    def add_aggregates(self, table: pa.Table) -> None:
+        """probe_aggregates deltas (pid, step_seq, probe, count, sum_value, sum_duration_ns)."""
+        for row in table.to_pylist():
+            if row["pid"] != self.pid or not row["step_seq"]:
+                continue
+            cls = probe_class(row["probe"])
+            slot = self._work.setdefault(row["step_seq"], {})
+            if cls == "offcpu":
+                slot[cls] = slot.get(cls, 0) + row["sum_duration_ns"]
+            else:
+                slot[cls] = slot.get(cls, 0) + row["count"]
+        if len(self._work) > 2 * WORK_STEPS:
+            for step in sorted(self._work)[: len(self._work) - WORK_STEPS]:
+                del self._work[step]
+
+    def row(self, now_ns: int | None = None) -> dict:
+        """The numbers of one `top` line (None where unknown)."""
+        now_ns = clock.monotonic_ns() if now_ns is None else now_ns
+        since = now_ns - int(WINDOW_S * 1e9)
+        recent = [s for s in self._steps if s[0] >= since]
+        span_s = WINDOW_S
+        if self.first_start_ns is not None:
+            span_s = min(WINDOW_S, max((now_ns - self.first_start_ns) / 1e9, 1e-3))
+        shown = recent or list(self._steps)[-RECENT_STEPS:]
+        latencies = np.array([s[1] for s in shown], dtype=np.float64)
+        losses = np.array([s[2] for s in shown], dtype=np.float64)
+        losses = losses[~np.isnan(losses)]
+        steps = sorted(self._work)[-WORK_STEPS:]
+        per_step = {}
+        if steps:
+            for cls in WORK_CLASSES:
+                per_step[cls] = sum(self._work[s].get(cls, 0) for s in steps) / len(steps)
+        return {
+            "pid": self.pid,
+            "model_id": self.model_id,
+            "tenants": sorted(self.tenants),
+            "tokens": self.tokens,
+            "tokens_per_s": len(recent) / span_s if self._steps else None,
+            "p50_ms": float(np.percentile(latencies, 50)) / 1e6 if len(latencies) else None,
+            "p99_ms": float(np.percentile(latencies, 99)) / 1e6 if len(latencies) else None,
+            "mean_loss": float(losses.mean()) if len(losses) else None,
+            "per_step": per_step,
+            "work_steps": len(steps),
+        }
+
+
+def write_snapshot(path: Path, data: dict) -> None:
+    """Atomically replace `path` with `data` as JSON (readers never see half a file)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_snapshots(directory: Path | None = None, now_ns: int | None = None) -> list[dict]:
+    """The snapshots of running agents (stale ones, of killed agents, are skipped)."""
+    directory = directory or run_dir()
+    now_ns = clock.monotonic_ns() if now_ns is None else now_ns
+    found = []
+    for path in sorted(directory.glob("attach.*.json")) if directory.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads(path.read_text())
+            fresh = now_ns - int(data.get("updated_ns", 0)) < STALE_AFTER_S * 1e9
+            if fresh and _alive(int(data.get("agent_pid", 0))):
+                found.append(data)
+    return found
+
+
+def remove_snapshot(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def wall_time() -> str:
+    return time.strftime("%H:%M:%S")

@@ -1,0 +1,144 @@
+"""Sources of the pipeline: each `poll()` returns one typed batch (or nothing) and never blocks.
+
+ShmSource reads a process's token steps from its shared-memory map from a cursor; BpfSource wraps an
+attach session (ring drain) and turns the exact kernel totals it harvests into probe_aggregates deltas.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow as pa
+
+from llmobs.bpf.output import aggregates_table
+from llmobs.bpf.records import AGG_KEY_DTYPE, AGG_VAL_DTYPE
+from llmobs.errors import LlmobsError, MalformedMap, NotTracked
+from llmobs.shm import layout
+from llmobs.shm.reader import ShmReader
+
+REOPEN_PERIOD_S = 1.0  # how often a missing map is looked for again (the workload may create it late)
+
+
+class ShmSource:
+    """Token steps of one pid, read from /dev/shm/llmobs.<pid> from a cursor on.
+
+    The map may not exist yet (the process instruments itself after the agent attached): it is looked
+    for again once a second. The reader keeps its file descriptor, so steps published just before the
+    process exits (and unlinks the map) are still read by the final poll.
+    """
+
+    def __init__(self, pid: int, shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc"):
+        self.pid = pid
+        self.shm_dir = shm_dir
+        self.proc_root = proc_root
+        self.reader: ShmReader | None = None
+        self.cursor = 0
+        self.steps = 0  # token steps returned
+        self.lost = 0  # overwritten in the ring before we read them
+        self.corrupt = 0
+        self.error: str | None = None  # why the map could not be read (None: fine or not there yet)
+        self.model_id = ""
+        self._next_open = 0.0
+        self._gave_up = False
+
+    def _open(self) -> bool:
+        if self.reader is not None:
+            return True
+        if self._gave_up or time.monotonic() < self._next_open:
+            return False
+        self._next_open = time.monotonic() + REOPEN_PERIOD_S
+        try:
+            self.reader = ShmReader(self.pid, shm_dir=self.shm_dir, proc_root=self.proc_root)
+        except NotTracked:
+            return False  # no map (yet)
+        except MalformedMap as exc:  # a bad map stays bad: say so once, stop trying
+            self.error, self._gave_up = str(exc), True
+            return False
+        except LlmobsError as exc:
+            self.error = str(exc)
+            return False
+        self.error = None
+        return True
+
+    @property
+    def map_path(self) -> str:
+        return self.reader.path if self.reader else ""
+
+    def poll(self) -> dict | None:
+        """The token steps published since the last poll, as the agreed columns (None when none)."""
+        if not self._open():
+            return None
+        try:
+            batch = self.reader.read_steps(self.cursor)
+        except MalformedMap as exc:  # the writer restarted (head behind our cursor) or the map broke
+            self.error = str(exc)
+            self.reader.close()
+            self.reader, self.cursor = None, 0
+            return None
+        self.cursor = batch.next_cursor
+        self.lost += batch.lost
+        self.corrupt += batch.corrupt
+        if not len(batch):
+            return None
+        self.steps += len(batch)
+        if not self.model_id and batch.columns["model_id"]:
+            self.model_id = batch.columns["model_id"][-1]
+        return batch.columns
+
+    def counters(self) -> dict[str, int]:
+        """The map's own drop counters (the workload's side) next to ours."""
+        header = self.reader.header if self.reader else {}
+        return {
+            "steps": self.steps,
+            "lost": self.lost,
+            "corrupt": self.corrupt,
+            "writer_dropped": int(header.get("steps_dropped", 0)) if header else 0,
+        }
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+
+_EMPTY_KEYS = np.empty(0, AGG_KEY_DTYPE)
+_EMPTY_VALUES = np.empty(0, AGG_VAL_DTYPE)
+
+
+class BpfSource:
+    """The ring of a started AttachSession, plus its harvested exact totals as deltas.
+
+    The session moves the totals of finished steps out of the bounded kernel map once a second; the
+    store wants what each harvest moved (probe_aggregates rows are deltas the store sums), so this keeps
+    what it already handed on and returns the difference.
+    """
+
+    def __init__(self, session):
+        self.session = session
+        self._handed: dict[tuple[int, int, int], list[int]] = {}
+
+    def poll(self) -> np.ndarray:
+        return self.session.poll()
+
+    def harvested_deltas(self) -> pa.Table | None:
+        """Totals the session harvested since the last call (None when nothing moved)."""
+        return self._deltas(self.session.totals.merged(_EMPTY_KEYS, _EMPTY_VALUES))
+
+    def _deltas(self, totals: dict[tuple[int, int, int], list[int]]) -> pa.Table | None:
+        delta = {}
+        for key, value in totals.items():
+            handed = self._handed.get(key)
+            if handed is None:
+                delta[key] = list(value)
+            elif handed != value:
+                delta[key] = [value[i] - handed[i] for i in range(3)]
+            else:
+                continue
+            self._handed[key] = list(value)
+        return aggregates_table(delta) if delta else None
+
+    def close(self) -> tuple[np.ndarray, dict, pa.Table | None]:
+        """Detach; (last events, the session's final dict, the not yet handed totals incl. live ones)."""
+        events, final = self.session.close()
+        return events, final, self._deltas(final.get("totals", {}))
