@@ -266,6 +266,50 @@ def launch_counts(aggregates: Path) -> dict[int, dict[str, int]]:
     return out
 
 
+def judge_trace(doc: dict, steps_wanted: int) -> tuple[list[dict], dict[str, bool], list[str]]:
+    """The checks on `trace --json` output: (collected steps, {check: ok}, lines to report)."""
+    steps = [s for s in doc["steps"] if s["step_seq"]]
+    checks = {
+        f"{steps_wanted} steps collected": len(steps) == steps_wanted,
+        "kernels in every step": bool(steps) and all(s["kernels"] > 0 for s in steps),
+        "every step joined to its token step": bool(steps) and all(s["trace_id"] for s in steps),
+        "all records joined": doc["unjoined"] == 0 and doc["joined"] > 0,
+        "clock residual < 10 us": bool(doc["clock"]) and doc["clock"]["residual_ns"] < 10_000,
+        "no CUPTI drops": bool(doc["end"]) and doc["end"]["cupti_dropped"] == 0,
+    }
+    lines = []
+    if doc["clock"]:
+        c = doc["clock"]
+        lines.append(f"  clock fit: offset {c['offset_ns']} ns, drift {c['drift_ppm']:.3f} ppm, residual "
+                     f"{c['residual_ns']:.0f} ns rms, {c['max_residual_ns']:.0f} ns max, "
+                     f"{c['samples']} samples")  # fmt: skip
+    if doc["end"]:
+        e = doc["end"]
+        lines.append(f"  drops: CUPTI {e['cupti_dropped']}, collector {e['collector_dropped']}, ring "
+                     f"overwritten {doc['lost']}, records without a step {e['unattributed']}")  # fmt: skip
+    return steps, checks, lines
+
+
+def is_launch_probe(probe: str) -> bool:
+    """Kernel-launch uprobes of the cuda profile (graph launches are not kernel launches)."""
+    return "aunch" in probe and "Graph" not in probe
+
+
+def compare_launches(steps: list[dict], counts: dict[int, dict[str, int]]) -> tuple[list[str], bool]:
+    """Per step: CUPTI kernels and launch-API records beside the uprobe launch counts of that step."""
+    lines = [
+        f"  {'step_seq':>9} {'cupti_kernels':>13} {'cupti_launch_api':>16} {'uprobe_launches':>15}  probes"
+    ]
+    agree = []
+    for s in steps:
+        probes = {k: v for k, v in counts.get(s["step_seq"], {}).items() if is_launch_probe(k)}
+        uprobe = sum(probes.values())
+        agree.append(uprobe == s["launches"] or uprobe == s["kernels"])
+        lines.append(f"  {s['step_seq']:>9} {s['kernels']:>13} {s['launches']:>16} {uprobe:>15}  "
+                     + ", ".join(f"{k}={v}" for k, v in sorted(probes.items())))  # fmt: skip
+    return lines, bool(agree) and all(agree)
+
+
 def trace_part(res: Results, args, facts, tmp: Path) -> None:
     if not facts["cuda"]:
         w = Workload(args, instrument=True, requests=0)
@@ -300,35 +344,16 @@ def trace_part(res: Results, args, facts, tmp: Path) -> None:
         res.part("trace", "FAILED", f"trace exit {out.returncode}")
         return
     doc = json.loads((tmp / "trace.json").read_text())
-    steps = [s for s in doc["steps"] if s["step_seq"]]
-    per_step_kernels = [s["kernels"] for s in steps]
-    checks = {
-        "8 steps collected": len(steps) == args.steps,
-        "kernels in every step": bool(steps) and all(k > 0 for k in per_step_kernels),
-        "all records joined": doc["unjoined"] == 0 and doc["joined"] > 0,
-        "clock residual < 10 us": bool(doc["clock"]) and doc["clock"]["residual_ns"] < 10_000,
-        "no CUPTI drops": bool(doc["end"]) and doc["end"]["cupti_dropped"] == 0,
-    }
-    if doc["clock"]:
-        c = doc["clock"]
-        res.line(f"  clock fit: offset {c['offset_ns']} ns, drift {c['drift_ppm']:.3f} ppm, residual "
-                 f"{c['residual_ns']:.0f} ns rms, {c['max_residual_ns']:.0f} ns max, "
-                 f"{c['samples']} samples")  # fmt: skip
+    steps, checks, lines = judge_trace(doc, args.steps)
     if agent is not None and aggregates.exists():
-        counts = launch_counts(aggregates)
-        res.line(f"  {'step_seq':>9} {'cupti_kernels':>13} {'cupti_launch_api':>16} {'uprobe_launches':>15}"
-                 "  probes")  # fmt: skip
-        agree = []
-        for s in steps:
-            probes = counts.get(s["step_seq"], {})
-            uprobe = sum(v for k, v in probes.items() if "aunch" in k)
-            agree.append(uprobe == s["launches"] or uprobe == s["kernels"])
-            res.line(f"  {s['step_seq']:>9} {s['kernels']:>13} {s['launches']:>16} {uprobe:>15}  "
-                     + ", ".join(f"{k}={v}" for k, v in sorted(probes.items()) if "aunch" in k))  # fmt: skip
-        checks["uprobe launches == CUPTI launches or kernels, every step"] = bool(agree) and all(agree)
+        more, agree = compare_launches(steps, launch_counts(aggregates))
+        lines += more
+        checks["uprobe launches == CUPTI launches or kernels, every step"] = agree
     else:
         why = "eBPF cannot run here" if not facts["ebpf"] else agent_log[-400:]
-        res.line("  uprobe comparison not run: " + why)
+        lines.append("  uprobe comparison not run: " + why)
+    for line in lines:
+        res.line(line)
     if facts["duckdb"]:
         import duckdb
 

@@ -54,3 +54,67 @@ def test_rehearsal_stages_llmobs_and_trace_refuses_without_cuda(tmp_path):
     assert "trace without CUDA: exit 10: error: cannot trace process" in text
     assert "== trace: SKIPPED (no CUDA in torch here; trace refused with exit 10)" in text
     assert "gpu_check: exit 0; results in" in text
+
+
+def _gpu_check_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _trace_doc(steps=(11, 12), kernels_per_step=2):
+    """`trace --json` output made by the real summary code from ring-shaped records."""
+    import numpy as np
+    from llmobs.commands.trace import summary_json
+    from llmobs.cupti import protocol as p
+    from llmobs.gpu_trace import CuptiCapture, summarize
+    from llmobs.shm import layout
+    from llmobs.shm.hashing import name_hash
+
+    rows = []
+    for seq in steps:
+        for _ in range(kernels_per_step):
+            rows.append((seq, p.KIND_CONCURRENT_KERNEL, name_hash("k")))
+            rows.append((seq, p.KIND_RUNTIME, name_hash("cudaLaunchKernel_v7000")))
+    recs = np.zeros(len(rows), layout.CUPTI_RECORD.dtype)
+    recs["step_seq"] = [r[0] for r in rows]
+    recs["kind"] = [r[1] for r in rows]
+    recs["name_hash"] = [r[2] for r in rows]
+    recs["end_ns"] = 100
+    names = {name_hash("k"): "k", name_hash("cudaLaunchKernel_v7000"): "cudaLaunchKernel_v7000"}
+    token_steps = {"step_seq": np.array(steps), "trace_id": ["ab" * 16] * len(steps)}
+    cap = CuptiCapture()
+    cap.clock = p.ClockMark(1, 2, 0.5, 800.0, 1500.0, 32)
+    cap.end = p.EndMark(steps[0], steps[-1], len(rows), 0, 0, 0, False)
+    summary = summarize(recs, names, token_steps)
+    result = {"pid": 1, "first_step": steps[0], "last_step": steps[-1], "records": recs, "names": names,
+              "steps": token_steps, "summary": summary, "capture": cap}  # fmt: skip
+    return summary_json(result)
+
+
+def test_gpu_check_judges_trace_output_and_compares_launches(tmp_path):
+    import pyarrow.parquet as pq
+    from llmobs.bpf.output import aggregates_table
+    from llmobs.bpf.profiles import PROBES
+
+    gc = _gpu_check_module()
+    steps, checks, lines = gc.judge_trace(_trace_doc(), 2)
+    assert [s["step_seq"] for s in steps] == [11, 12] and all(checks.values()), checks
+    assert any("residual 800 ns rms" in line for line in lines)
+    assert not all(gc.judge_trace(_trace_doc(), 8)[1].values())  # 2 steps where 8 were asked
+
+    index = {probe.name: i for i, probe in enumerate(PROBES)}
+    totals = {(1, index["cudaLaunchKernel"], 11): [2, 0, 0], (1, index["cudaLaunchKernel"], 12): [2, 0, 0],
+              (1, index["cudaGraphLaunch"], 12): [5, 0, 0]}  # fmt: skip
+    path = tmp_path / "a.aggregates.parquet"
+    pq.write_table(aggregates_table(totals), path)
+    counts = gc.launch_counts(path)
+    assert counts == {11: {"cudaLaunchKernel": 2}, 12: {"cudaLaunchKernel": 2, "cudaGraphLaunch": 5}}
+    table, agree = gc.compare_launches(steps, counts)
+    assert agree and "cudaGraphLaunch" not in table[-1]
+    totals[(1, index["cudaLaunchKernel"], 12)] = [3, 0, 0]
+    pq.write_table(aggregates_table(totals), path)
+    assert gc.compare_launches(steps, gc.launch_counts(path))[1] is False
