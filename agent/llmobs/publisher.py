@@ -127,18 +127,23 @@ class Request:
     def step(
         self, logits, target_ids=None, *, token_ids=None, all_valid: bool = False, flags: int = 0
     ) -> None:
-        """Publish one token step: logits [B, V] (or [V], or [B, 1, V]) and the targets [B] if known."""
+        """Publish one token step: logits [B, V] (or [V], or [B, 1, V], or publisher_math.prepare(logits))
+        and the targets [B] if known."""
         try:
-            from llmobs.publisher_math import device_block
+            from llmobs.publisher_math import Prepared, device_block
 
             if not self._step_seq:
                 self.begin_step()
-            if logits.dim() == 1:
-                logits = logits.unsqueeze(0)
-            elif logits.dim() == 3:
-                logits = logits[:, -1]
-            targets = _as_tensor(target_ids, logits)
-            block = device_block(logits, targets, _as_tensor(token_ids, logits), all_valid=all_valid)
+            if isinstance(logits, Prepared):
+                like = logits.x
+            else:
+                if logits.dim() == 1:
+                    logits = logits.unsqueeze(0)
+                elif logits.dim() == 3:
+                    logits = logits[:, -1]
+                like = logits
+            targets = _as_tensor(target_ids, like)
+            block = device_block(logits, targets, _as_tensor(token_ids, like), all_valid=all_valid)
             if targets is not None:
                 flags |= layout.FLAG_HAS_TARGET
             n = block.shape[0]

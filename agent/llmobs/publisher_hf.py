@@ -30,7 +30,7 @@ class _Generation:
 
     def __init__(self, req: publisher.Request):
         self.req = req
-        self.pending = None  # logits [B, V] of the step awaiting its chosen token
+        self.pending = None  # prepare(logits) of the step awaiting its chosen token
 
     def finish(self, chosen) -> None:
         if self.pending is not None:
@@ -158,8 +158,10 @@ class Instrumented:
     def _post(self, module, args, kwargs, output):
         try:
             gen = _generating.get()
-            if gen is not None:
-                gen.pending = output.logits[:, -1, :]
+            if gen is not None:  # the target-free passes now, while the logits are hot in cache
+                from llmobs.publisher_math import prepare
+
+                gen.pending = prepare(output.logits[:, -1, :])
                 return None
             state = self._labels_state.get()
             if state is not None:

@@ -13,23 +13,39 @@ usually cold in cache after the forward pass:
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
+class Prepared(NamedTuple):
+    """Stage 1 of the metrics, everything that needs no target: computed while the logits are hot in
+    cache (right after the forward pass), before the target is known."""
+
+    x: torch.Tensor
+    lp: torch.Tensor
+    top1: torch.Tensor
+    neg_entropy: torch.Tensor
+
+
+def prepare(logits: torch.Tensor) -> Prepared:
+    """logits [N, V] -> the target-independent passes over the vocabulary."""
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    lp = torch.log_softmax(x, -1)
+    return Prepared(x, lp, lp.amax(-1, keepdim=True), torch.linalg.vecdot(lp.exp(), lp).unsqueeze(-1))
+
+
 def device_block(
-    logits: torch.Tensor,
+    logits: torch.Tensor | Prepared,
     targets: torch.Tensor | None,
     token_ids: torch.Tensor | None = None,
     *,
     all_valid: bool = False,
 ) -> torch.Tensor:
-    """logits [N, V]; targets [N] int (-100 or any negative = no target) or None; token_ids [N] or None
-    (None: the target when there is one, else the arg-max). all_valid promises no ignored target
-    (generate's chosen tokens), which saves a few ops. Returns a float32 [N, 7] tensor."""
-    x = logits if logits.dtype == torch.float32 else logits.float()
-    lp = torch.log_softmax(x, -1)
-    top1 = lp.amax(-1, keepdim=True)
-    neg_entropy = torch.linalg.vecdot(lp.exp(), lp).unsqueeze(-1)
+    """logits [N, V] (or prepare(logits)); targets [N] int (-100 or any negative = no target) or None;
+    token_ids [N] or None (None: the target when there is one, else the arg-max). all_valid promises
+    no ignored target (generate's chosen tokens), which saves a few ops. Returns float32 [N, 7]."""
+    x, lp, top1, neg_entropy = logits if isinstance(logits, Prepared) else prepare(logits)
     if targets is None:
         nan = torch.full_like(top1, float("nan"))
         floats = torch.cat([nan, neg_entropy.neg(), nan, top1.exp()], -1)
