@@ -34,6 +34,12 @@ _CUPTI_BODY = struct.Struct("<QQQQQIII")  # step_seq .. stream_id at CUPTI recor
 
 _H = layout.HEADER.offsets
 _C = layout.CONTROL.offsets
+# word indexes (offset / 8) of the words the hot path stores, resolved once
+_W_CELL = layout.CTX_OFFSET >> 3
+_W_HEARTBEAT = _H["heartbeat_ns"] >> 3
+_W_STEPS_HEAD = _H["steps_head"] >> 3
+_W_CMD_SEQ = layout.CONTROL_OFFSET >> 3
+_STEP_SIZE = layout.STEP_RECORD.size
 MAX_PENDING_STEPS = 256  # CUDA steps whose copies may still be in flight; more are dropped, not waited on
 SMALL_BATCH = 8  # up to this many records are written with struct.pack_into; more with numpy
 
@@ -194,19 +200,20 @@ class ShmWriter:
     # --- the current-context cell -------------------------------------------------------------------
     def begin_step(self, trace_hi: int, trace_lo: int, tenant_hash: int, session_hash: int) -> int:
         """Start a token step: bump step_seq and publish the context the eBPF probes tag events with."""
-        mm = self.mm
-        self.step_seq += 1
-        seq = self.step_seq
-        cell = layout.CTX_OFFSET
+        words = self.words
+        self.step_seq = seq = self.step_seq + 1
         odd = self._cell_seq + 1  # the cell's seqlock: odd while writing, even when stable
-        self.words[cell >> 3] = odd
-        _CELL_BODY.pack_into(mm, cell + 8, trace_hi, trace_lo, seq, tenant_hash, session_hash)
+        words[_W_CELL] = odd
+        _CELL_BODY.pack_into(
+            self.mm, layout.CTX_OFFSET + 8, trace_hi, trace_lo, seq, tenant_hash, session_hash
+        )
         self._cell_seq = odd + 1
-        self.words[cell >> 3] = odd + 1
-        self.words[_H["heartbeat_ns"] >> 3] = time.monotonic_ns()
+        words[_W_CELL] = odd + 1
+        words[_W_HEARTBEAT] = time.monotonic_ns()
         if self._pending:
             self.poll_pending()
-        self._poll_control()
+        if words[_W_CMD_SEQ] != self._acked_cmd_seq or self._cmd_until is not None:
+            self._poll_control()
         if self.step_hook is not None:
             self.step_hook(seq)
         return seq
@@ -427,11 +434,11 @@ class ShmWriter:
         scalar = isinstance(step, int) and isinstance(kv_len, int)
         with self._lock:
             pos = self.steps_head
-            offs = [self.steps_offset + ((pos + i) & (cap - 1)) * layout.STEP_RECORD.size for i in range(n)]
+            offs = [self.steps_offset + ((pos + i) & (cap - 1)) * _STEP_SIZE for i in range(n)]
             for i, off in enumerate(offs):
                 words[off >> 3] = 2 * (pos + i) + 1
             self.steps_head = pos + n
-            words[_H["steps_head"] >> 3] = pos + n
+            words[_W_STEPS_HEAD] = pos + n
             for i, off in enumerate(offs):
                 _STEP_BODY.pack_into(
                     mm, off + 8, step_seq, int(trace_hi[i]), int(trace_lo[i]), t_start, t_end,
