@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("llmobs.commands.export", "export the store to Parquet (one file per table) or a Perfetto trace"),
     "otlp": ("llmobs.commands.otlp", "export the store over OTLP (gRPC/HTTP) to Tempo or any OTel backend"),
     "trace": ("llmobs.commands.trace", "collect CUPTI GPU activity of a process for K token steps"),
+    "top": ("llmobs.commands.top", "live view of attached processes: tokens/s, latency, loss, work per step"),
+    "demo": ("llmobs.commands.demo", "run SmolLM2 under the agent; per-token report, trace, plot"),
 }
 
 

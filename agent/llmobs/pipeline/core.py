@@ -2,11 +2,11 @@
 
 The caller's drain loop calls `poll(events)` every ~20 ms with the ring batch it drained; the pipeline
 adds the token steps its ShmSource reads, hands the exact totals the session harvested (once a second)
-and fans everything out to its sinks (StoreWriter first; anything with `submit`/`flush`/`close` may be
-added). A background thread flushes the writer and runs the incremental correlate every few seconds on
-its own DuckDB cursor, so the drain loop never waits on the disk or on SQL. `close(events, final)`
-hands the last batches, stops the correlator, commits everything, runs one last correlate over the
-session's steps, and returns what went where.
+and fans everything out to its sinks (StoreWriter first; anything with `submit`/`close` may be added).
+A background thread runs the incremental correlate every few seconds on its own DuckDB cursor, so the
+drain loop never waits on the disk or on SQL. `close(events, final)` hands the last batches, stops the
+correlator, commits everything, runs one last correlate over the session's steps, and returns what
+went where.
 """
 
 from __future__ import annotations
@@ -80,11 +80,16 @@ class PipelineSummary:
                 f"correlate: {self.correlate_runs} incremental run(s) while attached, then {final.passes:,} "
                 f"forward passes rolled up ({final.tagged_events:,} events joined by tag, "
                 f"{final.windowed_events:,} by time window, {final.orphan_events:,} without a step), "
-                f"{final.requests:,} requests in {self.correlate_seconds:.2f} s",
+                f"{final.requests:,} requests in {self.correlate_seconds:.2f} s"
+                + _failed(self.correlate_errors, self.store_error),
                 file=stream,
             )
         elif self.correlate_errors:
             print(f"correlate: failed ({self.store_error})", file=stream)
+
+
+def _failed(errors: int, error: str | None) -> str:
+    return f"; {errors} run(s) failed ({error})" if errors else ""
 
 
 class Pipeline:
@@ -236,8 +241,9 @@ class Pipeline:
             while not self._stop.wait(every_s):
                 since = self._take_since(previous)
                 previous = clock.monotonic_ns()
-                if not self.writer.flush(timeout=every_s):
-                    continue  # the writer is behind; correlate next time over the same window
+                # No writer.flush() here: with a source submitting every 20 ms the writer is never
+                # idle, so a flush would wait forever. Committed data is at most 1 s old, and the next
+                # run re-rolls the last LATE_NS, so what lands late is counted then.
                 try:
                     correlate(conn, since_ns=since, pid=self.pid)
                     self.correlate_runs += 1
