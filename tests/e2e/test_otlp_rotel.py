@@ -199,6 +199,8 @@ def test_collector_killed_and_restarted_nothing_lost(tmp_path, collector):
     assert set(unique) == ids
     assert all(unique[span].parent_id == parent for span, parent in {**parent_first, **parent_second}.items())
     duplicates = len(logged) - len(unique)
+    print(f"\nkill/restart: {len(ids)} spans expected, {len(logged)} logged ({duplicates} duplicates),"
+          f" traced heap growth {(peak - before) / 1e6:.2f} MB, counters {counters.as_dict()}")  # fmt: skip
     assert duplicates <= batch + batch  # at most the batch (and its closed requests) in flight at the kill
     assert counters.spans_sent == len(ids) and counters.spans_dropped == 0
     assert counters.attempts_failed >= 8 and counters.retries >= 8
