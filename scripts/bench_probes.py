@@ -232,12 +232,14 @@ def _bench_cost(rounds: int) -> None:
             for n in names
         ]  # noqa: E731
 
-    def uprobe_case(name: str, loop: str):
+    def uprobe_case(name: str, loop: str, durations: bool = False):
         resolved = resolve(by_name[name], target.pid, paths, procfs)
         assert isinstance(resolved, ResolvedProbe), resolved
-        timed = resolved.probe.timed
+        optional = durations and resolved.probe.optional_duration
+        timed = resolved.probe.timed or optional
         attached = Attached()
-        ours_names = [f"uprobe__{name}"] + ([f"uretprobe__{name}"] if timed else [])
+        entry = f"uprobe__{name}_timed" if optional else f"uprobe__{name}"
+        ours_names = [entry] + ([f"uretprobe__{name}"] if timed else [])
         empty_names = ["uprobe__empty"] + (["uretprobe__empty"] if timed else [])
         return {
             "label": name,
@@ -246,7 +248,9 @@ def _bench_cost(rounds: int) -> None:
             "hits": 1,
             "attach_empty": lambda: empty.attach(resolved.path, resolved.address, target.pid, timed),
             "detach_empty": empty.detach,
-            "attach_ours": lambda: program.attach_uprobe(resolved, target.pid, attached) or attached,
+            "attach_ours": lambda: (
+                program.attach_uprobe(resolved, target.pid, attached, durations) or attached
+            ),
             "detach_ours": program.detach,
             "fds_empty": fds(empty.bpf, empty_names),
             "fds_ours": fds(program.bpf, ours_names),
@@ -281,6 +285,7 @@ def _bench_cost(rounds: int) -> None:
 
     cases = [
         uprobe_case("sgemm", "gemm"),
+        uprobe_case("sgemm", "gemm", durations=True),
         uprobe_case("alloc_cpu", "alloc"),
         uprobe_case("free_cpu", "alloc"),
         tracepoint_case("page_fault_user", "fault", 16),

@@ -100,6 +100,7 @@ def test_attach_counts_tags_and_detaches_on_sigint(tmp_path):
         assert aggregates[("free_cpu", step)]["count"] == allocs
         assert aggregates[("sgemm", step)]["count"] == step
         assert aggregates[("sgemm", step)]["sum_value"] == step * GEMM_FLOPS
+        assert aggregates[("sgemm", step)]["sum_duration_ns"] == 0  # GEMM durations are opt-in
         assert aggregates[("ioctl", step)]["count"] == step
     tagged = [e for e in events if e["pid"] == target.pid and e["step_seq"]]
     assert tagged and all(e["trace_id"] == f"{e['step_seq']:032x}" for e in tagged)

@@ -50,7 +50,7 @@ def _by_name(final) -> dict[tuple[str, int], list[int]]:
 def test_exact_counts_and_tags_per_step(program):
     plan = {1: (5, 100_000, 3, 2), 2: (0, 64, 7, 0), 3: (11, 4096, 1, 5)}  # allocs, nbytes, gemms, ioctls
     with Target() as target:
-        session = _attach(program, target)
+        session = _attach(program, target, gemm_durations=True)
         assert session.cell_address == target.cell_address  # found through /proc/PID/maps
         batches = []
         for step, (allocs, nbytes, gemms, ioctls) in plan.items():

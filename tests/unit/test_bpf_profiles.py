@@ -71,7 +71,9 @@ def test_every_uprobe_program_exists_for_its_probe():
     for probe in probes_of(("cpu", "mem", "host")):
         if probe.hook == "uprobe":
             assert re.search(rf"int uprobe__{probe.name}\(", text)
-            assert bool(re.search(rf"int uretprobe__{probe.name}\(", text)) == probe.timed
+            returns = probe.timed or probe.optional_duration
+            assert bool(re.search(rf"int uretprobe__{probe.name}\(", text)) == returns
+            assert bool(re.search(rf"int uprobe__{probe.name}_timed\(", text)) == probe.optional_duration
         for _, fn_name in probe.tracepoints:
             assert re.search(rf"int {fn_name}\(", text)
 

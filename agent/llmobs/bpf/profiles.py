@@ -4,9 +4,10 @@ A probe's index in PROBES is its id in the kernel (the `probe` field of events a
 the table only ever grows at the end.
 
 The default set (`cpu,host`) was chosen by measurement (docs/probes.md, scripts/bench_probes.py):
-the GEMM entry fires ~760 times per SmolLM2 token and costs nothing measurable at sgemm_+4, while
-alloc_cpu/free_cpu fire ~2,900 times per token and cost several percent, so they sit in the opt-in
-`mem` profile (the issue's "cpu" profile, split in two).
+the GEMM entry fires ~750 times per SmolLM2 token; at sgemm_+4 a point probe costs ~0.9 us a hit
+(~1.2% of a token), the timed pair ~1.6 us (~2.2%, more with 2 threads), so GEMM durations are
+opt-in (--gemm-durations). alloc_cpu/free_cpu fire ~2,950 times per token together and cost several
+percent, so they sit in the opt-in `mem` profile (the issue's "cpu" profile, split in two).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ class Probe:
     timed: bool = False  # entry + return: events carry a duration
     value: str = "0"  # C expression over ctx for the template probes (uprobe_call.bpf.c)
     tracepoints: tuple[tuple[str, str], ...] = ()  # (category:event, program name)
+    # timed only on request (`attach --gemm-durations`): entry uprobe__<name>_timed + uretprobe
+    optional_duration: bool = False
 
     @property
     def templated(self) -> bool:
@@ -45,7 +48,7 @@ def _cuda(name: str, library: str, timed: bool, value: str = "0", kind: str = "g
 
 PROBES: tuple[Probe, ...] = (
     # cpu: the GEMM nn.Linear reaches on this torch build (MKL sgemm_, statically in libtorch_cpu.so)
-    Probe("sgemm", "cpu", "compute", "sgemm", "uprobe", LIB_BLAS, "sgemm_", timed=True),
+    Probe("sgemm", "cpu", "compute", "sgemm", "uprobe", LIB_BLAS, "sgemm_", optional_duration=True),
     # mem: every CPU tensor allocation and release (opt-in: ~2,900 hits per SmolLM2 token)
     Probe("alloc_cpu", "mem", "mem", "alloc_cpu", "uprobe", LIB_C10, "_ZN3c109alloc_cpuEm", timed=True),
     Probe("free_cpu", "mem", "mem", "free_cpu", "uprobe", LIB_C10, "_ZN3c108free_cpuEPv"),

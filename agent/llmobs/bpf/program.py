@@ -171,16 +171,19 @@ class ProbeProgram:
         return True
 
     # ---- attach / detach --------------------------------------------------------------------------------
-    def attach_uprobe(self, resolved: ResolvedProbe, pid: int, attached: Attached) -> None:
-        """Entry probe (and return probe for timed probes) at the chosen placement, for this pid only."""
+    def attach_uprobe(
+        self, resolved: ResolvedProbe, pid: int, attached: Attached, durations: bool = False
+    ) -> None:
+        """Entry probe (and return probe for timed probes) at the chosen placement, for this pid only.
+        `durations` turns a probe whose duration is optional into its timed variant."""
         before = set(self.bpf.uprobe_fds)
         name = resolved.probe.name
         path = resolved.path.encode()
+        optional = durations and resolved.probe.optional_duration
+        entry = f"uprobe__{name}_timed" if optional else f"uprobe__{name}"
         try:
-            self.bpf.attach_uprobe(
-                name=path, addr=resolved.address, fn_name=f"uprobe__{name}".encode(), pid=pid
-            )
-            if resolved.probe.timed:
+            self.bpf.attach_uprobe(name=path, addr=resolved.address, fn_name=entry.encode(), pid=pid)
+            if resolved.probe.timed or optional:
                 self.bpf.attach_uretprobe(
                     name=path, addr=resolved.address, fn_name=f"uretprobe__{name}".encode(), pid=pid
                 )

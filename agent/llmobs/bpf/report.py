@@ -23,7 +23,8 @@ def attached(session, stream: TextIO = sys.stderr) -> None:
             site = f"{os.path.basename(resolved.path)}:{resolved.symbol.name}{resolved.placement.describe()}"
         else:
             site = ", ".join(tp for tp, _ in probe.tracepoints)
-        timed = " entry+return" if probe.timed else ""
+        durations = session.options.gemm_durations and probe.optional_duration
+        timed = " entry+return" if probe.timed or durations else ""
         print(f"attached {probe.name:<16} {site}{timed}", file=stream)
     for skipped in session.skipped:
         print(f"skipped  {skipped.probe.name:<16} {skipped.reason}", file=stream)

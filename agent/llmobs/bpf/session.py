@@ -81,6 +81,7 @@ class Options:
     sample_mode: str = "trace"
     ioctl_paths: str = "/dev/nvidia*"  # glob of the device files whose ioctls the host profile times
     require_pytorch: bool = True
+    gemm_durations: bool = False  # time the probes whose duration is optional (sgemm): ~2x their cost
 
 
 @dataclass
@@ -181,7 +182,9 @@ class AttachSession:
                     continue
                 try:
                     if probe.hook == "uprobe":
-                        program.attach_uprobe(by_name[probe.name], self.pid, self.attached)
+                        program.attach_uprobe(
+                            by_name[probe.name], self.pid, self.attached, self.options.gemm_durations
+                        )
                     else:
                         program.attach_tracepoints(probe, self.attached)
                     self.attached_probes.append(probe)

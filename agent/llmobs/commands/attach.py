@@ -36,6 +36,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="trace",
         help="trace: keep a request whole or not at all (hash of the trace id); cpu: per-CPU counter hash",
     )
+    parser.add_argument(
+        "--gemm-durations",
+        action="store_true",
+        help="time every GEMM (entry + return probes): about twice the per-hit cost, see docs/probes.md",
+    )
     parser.add_argument("--duration", type=float, metavar="S", help="detach after S seconds")
     parser.add_argument(
         "--out", metavar="FILE", help="write sampled events to FILE (.parquet) and aggregates beside it"
@@ -103,7 +108,11 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
     from llmobs.bpf.output import ParquetEventWriter, aggregates_table, companion_paths, write_summary
 
     options = Options(
-        profiles=profiles, sample_n=args.sample, sample_mode=args.sample_mode, ioctl_paths=args.ioctl_paths
+        profiles=profiles,
+        sample_n=args.sample,
+        sample_mode=args.sample_mode,
+        ioctl_paths=args.ioctl_paths,
+        gemm_durations=args.gemm_durations,
     )
     session = AttachSession(args.pid, options)
     stop = {"reason": None}
