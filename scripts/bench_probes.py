@@ -470,7 +470,7 @@ class RunningAgent:
         return summary
 
 
-def bench_workload(rounds: int, tokens: int, profile: str) -> None:
+def bench_workload(rounds: int, tokens: int, profile: str, modes: tuple[str, ...], threads_list) -> None:
     """Wall tokens/s is what users see; tokens per CPU-second of the workload (all its threads) is
     steadier on a shared machine, and includes the probes' traps, which run on the workload's CPU."""
     target = Child("--workload-target", timeout=600)
@@ -478,7 +478,9 @@ def bench_workload(rounds: int, tokens: int, profile: str) -> None:
     header = f"{'mode':<5} {'threads':>7} " + " ".join(f"{c:>11}" for c in columns)
     print(f"{header}  (medians of {rounds} interleaved rounds; ratio = agent / none)")
     for mode, n_tokens in (("gen", tokens), ("fwd", 256)):
-        for threads in (1, 2):
+        if mode not in modes:
+            continue
+        for threads in threads_list:
             runs = {"none": [], "agent": []}
             hits: dict[str, list[float]] = {}
             target.ask(f"{mode} {min(n_tokens, 8)} {threads}")  # settle the thread pool
@@ -539,6 +541,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per workload round")
     parser.add_argument("--profile", default="cpu,host", help="profiles attached in the workload benchmark")
+    parser.add_argument(
+        "--modes", default="gen,fwd", help="workload modes: gen (generate), fwd (teacher-forced)"
+    )
+    parser.add_argument("--threads", default="1,2", help="torch thread counts for the workload benchmark")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("error: run as root (the benchmarks attach eBPF probes)", file=sys.stderr)
@@ -552,7 +558,8 @@ def main() -> int:
         bench_ingest()
     if "workload" in only:
         print(f"== workload: SmolLM2-135M tokens/s, `attach --profile {args.profile}` vs no agent ==")
-        bench_workload(args.rounds, args.tokens, args.profile)
+        threads = tuple(int(t) for t in args.threads.split(","))
+        bench_workload(args.rounds, args.tokens, args.profile, tuple(args.modes.split(",")), threads)
     if "latency" in only:
         print("== attach latency ==")
         bench_latency(args.rounds)
