@@ -18,7 +18,7 @@ import numpy as np
 from llmobs.bpf import aggregates
 from llmobs.bpf.cleanup import remove_stale_uprobes
 from llmobs.bpf.libraries import ResolvedProbe, Skipped, mapped_libraries, resolve
-from llmobs.bpf.profiles import PROBE_IDS, PROBES, Probe, probes_of
+from llmobs.bpf.profiles import Probe, probes_of
 from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
 from llmobs.bpf.records import COUNTERS
 from llmobs.bpf.ringbuf import RingConsumer
@@ -112,7 +112,6 @@ class AttachSession:
         self.stats = Stats()
         self.cell_address = 0
         self.totals = aggregates.Totals()
-        self.target_exited = False
         self._start_ticks = 0
         self._ring: RingConsumer | None = None
         self._next_refresh = 0.0
@@ -292,10 +291,3 @@ class AttachSession:
             self.program.close()
         self._final = final
         return events, final
-
-
-def probe_names() -> list[str]:
-    return [probe.name for probe in PROBES]
-
-
-__all__ = ["AttachSession", "Options", "PROBE_IDS", "find_context_cell", "require_privileges"]
