@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from llmobs.shm.writer import configure
 
-    configure(shm_dir=tempfile.mkdtemp(prefix="llmobs-bench-"))
+    # tmpfs like /dev/shm itself: a map on a disk filesystem pays writeback faults the real one never does
+    configure(shm_dir=tempfile.mkdtemp(prefix="llmobs-bench-", dir="/dev/shm"))
     import torch
 
     if args.threads:

@@ -49,7 +49,7 @@ def device_block(
     if targets is None:
         nan = torch.full_like(top1, float("nan"))
         floats = torch.cat([nan, neg_entropy.neg(), nan, top1.exp()], -1)
-        rank = target32 = torch.full_like(top1, -1, dtype=torch.int64)
+        rank = target32 = torch.full_like(top1, -1, dtype=torch.int32)
         tokens = x.argmax(-1, keepdim=True) if token_ids is None else token_ids.view(-1, 1)
     else:
         tgt = targets.view(-1, 1)
@@ -62,6 +62,7 @@ def device_block(
             rank = torch.where(valid, rank, -1.0)
             target32 = torch.where(valid, tgt, -1)
         floats = torch.cat([torch.cat([lpt, neg_entropy], -1).neg_(), torch.cat([lpt, top1], -1).exp_()], -1)
+        target32 = target32.to(torch.int32)
         tokens = target32 if token_ids is None else token_ids.view(-1, 1)
-    ints = torch.cat([rank.to(torch.int64), tokens.to(torch.int64), target32.to(torch.int64)], -1)
-    return torch.cat([floats, ints.to(torch.int32).view(torch.float32)], -1)
+    ints = torch.cat([rank.to(torch.int32), tokens.to(torch.int32), target32], -1)  # .to: no-op when int32
+    return torch.cat([floats, ints.view(torch.float32)], -1)

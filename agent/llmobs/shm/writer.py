@@ -91,7 +91,9 @@ class ShmWriter:
         try:
             os.fchmod(fd, layout.FILE_MODE)  # the umask may have cleared bits; 0600 exactly
             os.ftruncate(fd, self.size)
-            self.mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: fault every page in now (~1 ms once), not one page per 32 records later
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.mm = mmap.mmap(fd, self.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         # Every word another process polls (sequence words, heads, the cell's seq, ack_seq) is stored
