@@ -93,3 +93,47 @@ def test_tags_match_the_map_and_sampling_keeps_requests_whole(tmp_path):
         total = sum(gemms[s] for s, t in trace_of.items() if t == trace)
         keep = trace_kept(int(trace[:16], 16), int(trace[16:], 16), SAMPLE)
         assert sampled[trace] == (total if keep else 0), (trace, keep)
+
+
+def test_known_allocations_per_step(tmp_path):
+    """workload.py --alloc-bytes B: every forward pass allocates exactly 1 + step_seq % 3 tensors of B
+    bytes (and frees them in the same step); the agent sees exactly those, tagged with that step."""
+    out, nbytes = tmp_path / "a.parquet", 123_457  # a size nothing else in the process allocates
+    before = leftovers()
+    ready_r, ready_w = os.pipe()
+    workload = subprocess.Popen(
+        [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", "6", "--max-new-tokens", "4",
+         "--threads", "1", "--alloc-bytes", str(nbytes), "--wait-stdin", "--hold",
+         "--ready-fd", str(ready_w)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,),
+    )  # fmt: skip
+    os.close(ready_w)
+    try:
+        assert _read_json_line(ready_r)["phase"] == "ready"
+        agent = Agent("--pid", str(workload.pid), "--profile", "cpu,mem,host", "--out", str(out))
+        agent.wait_for("attached in")
+        workload.stdin.write(b"go\n")
+        workload.stdin.flush()
+        assert _read_json_line(ready_r)["phase"] == "done"
+        with ShmReader(workload.pid) as reader:
+            steps = [row["step_seq"] for row in reader.read_steps().rows()]
+        agent.proc.send_signal(signal.SIGINT)
+        code, text = agent.finish()
+        assert code == 0, text
+        _assert_clean(agent.pid, workload.pid, before)
+    finally:
+        workload.stdin.write(b"bye\n")
+        workload.stdin.flush()
+        workload.wait(timeout=30)
+        os.close(ready_r)
+    assert len(steps) == 24
+    events = pq.read_table(out).to_pylist()
+    allocs, frees = defaultdict(int), defaultdict(int)
+    for e in events:
+        if e["value"] == nbytes and e["probe"] == "alloc_cpu":
+            allocs[e["step_seq"]] += 1
+        elif e["value"] == nbytes and e["probe"] == "free_cpu":
+            frees[e["step_seq"]] += 1
+    expected = {step: 1 + step % 3 for step in steps}
+    assert dict(allocs) == expected
+    assert dict(frees) == expected
