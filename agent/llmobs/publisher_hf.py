@@ -50,6 +50,22 @@ def _kv_len(kwargs) -> int:
         return -1
 
 
+def active_adapters(model) -> list[str]:
+    """Names of the LoRA/PEFT adapters active on `model` (transformers' PEFT integration or a
+    peft.PeftModel); [] when none or when the model has no adapter support."""
+    try:
+        if getattr(model, "_hf_peft_config_loaded", False):
+            names = model.active_adapters()
+        elif hasattr(model, "peft_config") and hasattr(model, "active_adapters"):
+            names = model.active_adapters
+            names = names() if callable(names) else names
+        else:
+            return []
+        return [names] if isinstance(names, str) else [str(n) for n in names]
+    except Exception:
+        return []
+
+
 def _input_ids(args, kwargs):
     ids = kwargs.get("input_ids")
     if ids is None and args:
@@ -86,6 +102,11 @@ class Instrumented:
             self.model.generate = self._orig_generate
         self.model.__dict__.pop("_llmobs_instrumented", None)
 
+    def request_model_id(self) -> str:
+        """The model id a request is recorded under: with active adapters, "<model>+<a>,<b>"."""
+        adapters = active_adapters(self.model)
+        return f"{self.model_id}+{','.join(adapters)}" if adapters else self.model_id
+
     def _timed(self, fn):
         def timed(*args):
             t0 = time.thread_time_ns()
@@ -108,7 +129,7 @@ class Instrumented:
                     ids = args[0]
                 if ids is not None:
                     req = publisher.Request(
-                        ids, model_id=self.model_id, attention_mask=kwargs.get("attention_mask")
+                        ids, model_id=self.request_model_id(), attention_mask=kwargs.get("attention_mask")
                     )
                     gen = _Generation(req)
             except Exception as exc:
@@ -180,7 +201,7 @@ class Instrumented:
         w = publisher.get_writer()
         tenant_h = w.name(layout.NAME_TENANT, publisher._tenant.get())
         session_h = w.name(layout.NAME_SESSION, publisher._session.get())
-        model_h = w.name(layout.NAME_MODEL, self.model_id)
+        model_h = w.name(layout.NAME_MODEL, self.request_model_id())
         t0 = time.monotonic_ns()
         seq = w.begin_step(words[0][0], words[0][1], tenant_h, session_h)
         self._labels_state.set((seq, t0, ids, labels, words, tenant_h, session_h, model_h))

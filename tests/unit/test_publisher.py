@@ -239,3 +239,22 @@ def test_workload_script_ready_and_summary(tmp_path):
     assert summary["tokens"] == 12 and summary["requests"] == 2
     assert json.loads(ready.read_text())["phase"] == "done"
     assert not (tmp_path / f"llmobs.{summary['pid']}").exists()
+
+
+def test_active_lora_adapters_are_part_of_the_model_id(shm, tiny):
+    # peft is not installed here: emulate what transformers' PEFT integration exposes on a model
+    tiny._hf_peft_config_loaded = True
+    tiny.active_adapters = lambda: ["sql-lora", "style"]
+    inst = llmobs.instrument(tiny, model_id="tiny-gpt2")
+    try:
+        tiny.generate(
+            torch.tensor([[1, 2, 3]]), max_new_tokens=2, min_new_tokens=2, do_sample=False, pad_token_id=0
+        )
+    finally:
+        inst.remove()
+        del tiny._hf_peft_config_loaded, tiny.active_adapters
+    b = _read_all(shm)
+    assert set(b.columns["model_id"]) == {"tiny-gpt2+sql-lora,style"}
+    from llmobs.publisher_hf import active_adapters
+
+    assert active_adapters(tiny) == [] and active_adapters(object()) == []
