@@ -54,7 +54,18 @@ def collect(pid: int, last: int, shm_dir: str = layout.SHM_DIR) -> dict:
             "names": len(reader.names),
             "steps": rows,
             "unreadable_in_window": {"lost": batch.lost, "corrupt": batch.corrupt},
+            "otel_process_context": _otel_context(pid),
         }
+
+
+def _otel_context(pid: int) -> dict | None:
+    """The process's OTEL_CTX resource attributes (OTEP 4719), if published and readable."""
+    from llmobs.shm.otel_ctx import read_process_context
+
+    try:
+        return read_process_context(pid)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def run(args) -> int:
@@ -70,6 +81,10 @@ def run(args) -> int:
             f"{ring + ' ring':<11}head {h[ring + '_head']:<10} capacity {h[ring + '_capacity']:<8} "
             f"writer-dropped {h[ring + '_dropped']}"
         )
+    otel = info["otel_process_context"]
+    if otel:
+        print(f"otel_ctx   service.name {otel.get('service.name', '-')}  "
+              f"service.instance.id {otel.get('service.instance.id', '-')}")  # fmt: skip
     ctx = info["context"]
     if ctx is None:
         print("context    (being updated; try again)")
