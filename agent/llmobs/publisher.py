@@ -107,9 +107,12 @@ class Request:
         self.end()
 
     def end(self) -> None:
-        """The request is over: the context cell goes back to "untracked"."""
+        """The request is over: the context cell goes back to "untracked", and on a GPU the request's
+        last steps are committed (one wait per request, never per step)."""
         with contextlib.suppress(Exception):
             self.writer.clear_context()
+            if self.writer._pending:
+                self.writer.poll_pending(wait=True)
 
     # --- steps -------------------------------------------------------------------------------------
     @property

@@ -123,6 +123,9 @@ def test_pending_device_copies_commit_in_order_without_blocking(writer, tmp_path
         def query(self):
             return self.done
 
+        def synchronize(self):
+            self.done = True
+
     _publish(writer, 1, step=0)
     pos = writer.steps_head
     _publish(writer, 1, step=1)
@@ -136,6 +139,12 @@ def test_pending_device_copies_commit_in_order_without_blocking(writer, tmp_path
         assert writer.poll_pending() == 0  # the older copy is not done: nothing may commit out of order
         first.done = True
         assert writer.poll_pending() == 2 and len(r.read_steps(0)) == 3
+        pos = writer.steps_head
+        _publish(writer, 1, step=3)
+        writer.steps["seq"][pos] = 2 * pos + 1
+        writer._pending.append((Event(), pos, 1))
+        assert writer.poll_pending() == 0
+        assert writer.poll_pending(wait=True) == 1 and len(r.read_steps(0)) == 4  # end of request / exit
 
 
 def test_names_are_published_once_and_truncated_at_a_char_boundary(writer, tmp_path):

@@ -166,7 +166,7 @@ class ShmWriter:
             return
         self.closed = True
         try:
-            self.poll_pending()
+            self.poll_pending(wait=True)
             self.words32[_H["state"] >> 2] = layout.STATE_CLOSED
         finally:
             if unlink:
@@ -491,8 +491,12 @@ class ShmWriter:
         if first < n:
             self.steps["seq"][: n - first] = seqs[first:]
 
-    def poll_pending(self) -> int:
-        """Commit CUDA steps whose copies have completed, in order, without blocking."""
+    def poll_pending(self, wait: bool = False) -> int:
+        """Commit CUDA steps whose copies have completed, in order, without blocking. wait=True (at the
+        end of a request and at exit, never per step) first waits for the newest copy, so an idle
+        process leaves no step uncommitted."""
+        if wait and self._pending:
+            self._pending[-1][0].synchronize()
         committed = 0
         while self._pending and self._pending[0][0].query():
             _, pos, n = self._pending.popleft()
