@@ -14,8 +14,10 @@ Prints ratios (the machine is shared and noisy; absolute numbers drift between r
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -126,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     from llmobs.shm.writer import configure
 
     # tmpfs like /dev/shm itself: a map on a disk filesystem pays writeback faults the real one never does
-    configure(shm_dir=tempfile.mkdtemp(prefix="llmobs-bench-", dir="/dev/shm"))
+    shm_dir = tempfile.mkdtemp(prefix="llmobs-bench-", dir="/dev/shm")
+    configure(shm_dir=shm_dir)
+    atexit.register(shutil.rmtree, shm_dir, True)  # after the writer's own exit handler removed its map
     import torch
 
     if args.threads:

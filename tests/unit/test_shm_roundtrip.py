@@ -294,3 +294,17 @@ def test_nan_loss_without_target_roundtrips(writer, tmp_path):
     with ShmReader(os.getpid(), shm_dir=str(tmp_path)) as r:
         row = r.read_steps(0).rows()[0]
         assert math.isnan(row["loss"]) and row["target_id"] == -1 and row["target_rank"] == -1
+
+
+def test_stale_maps_are_found_and_removed(writer, tmp_path):
+    from llmobs.shm.reader import remove_stale_maps, stale_maps
+
+    code = "import os; print(os.getpid())"
+    dead = int(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
+    (tmp_path / f"llmobs.{dead}").write_bytes(b"x")  # a process that is gone
+    (tmp_path / "llmobs.notapid").write_bytes(b"x")  # not ours to judge
+    assert stale_maps(str(tmp_path)) == [str(tmp_path / f"llmobs.{dead}")]  # our own live map is not stale
+    start = writer.mm[40:48]
+    writer.mm[40:48] = (int.from_bytes(start, "little") + 1).to_bytes(8, "little")  # as if the pid was reused
+    assert sorted(remove_stale_maps(str(tmp_path))) == sorted([writer.path, str(tmp_path / f"llmobs.{dead}")])
+    assert sorted(os.listdir(tmp_path)) == ["llmobs.notapid"]

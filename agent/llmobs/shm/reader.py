@@ -29,6 +29,7 @@ _HEADER_STRUCT = struct.Struct(
 )
 assert _HEADER_STRUCT.size == layout.HEADER.offsets["reserved"]
 _HEADS = slice(layout.HEADER.offsets["names_head"], layout.HEADER.offsets["cupti_head"] + 8)
+_TICKS_AT = layout.HEADER.offsets["writer_start_ticks"]
 MAX_HEAD = 1 << 62  # a head beyond this cannot come from a real writer (and 2*pos+2 would overflow)
 _KNOWN_FLAGS = (
     layout.FLAG_HAS_TARGET | layout.FLAG_GENERATE | layout.FLAG_TEACHER_FORCED | layout.FLAG_DEVICE_CUDA
@@ -446,3 +447,39 @@ class ShmReader(MapView):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def stale_maps(shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc") -> list[str]:
+    """Map files left by processes that died without cleaning up (SIGKILL, a crash): the pid is gone,
+    or it now belongs to a process started later than the map's writer."""
+    stale = []
+    for entry in os.scandir(shm_dir):
+        pid_text = entry.name[len(layout.FILE_PREFIX) :]
+        if not entry.name.startswith(layout.FILE_PREFIX) or not pid_text.isdigit():
+            continue
+        if not entry.is_file(follow_symlinks=False):
+            continue
+        if not os.path.isdir(f"{proc_root}/{pid_text}"):
+            stale.append(entry.path)
+            continue
+        try:
+            with open(entry.path, "rb") as f:
+                raw = f.read(layout.HEADER.size)
+            magic, ticks = struct.unpack_from("<Q", raw, 0)[0], struct.unpack_from("<Q", raw, _TICKS_AT)[0]
+            if magic == layout.MAGIC and ticks != process_start_ticks(pid_text, proc_root):
+                stale.append(entry.path)
+        except (OSError, ValueError, IndexError, struct.error):
+            continue  # unreadable or still being created: not provably stale
+    return stale
+
+
+def remove_stale_maps(shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc") -> list[str]:
+    """Remove the files stale_maps() finds (the agent's housekeeping); returns what it removed."""
+    removed = []
+    for path in stale_maps(shm_dir, proc_root):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
