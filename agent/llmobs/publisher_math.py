@@ -54,7 +54,10 @@ def device_block(
     else:
         tgt = targets.view(-1, 1)
         lpt = lp.gather(-1, tgt if all_valid else tgt.clamp(min=0))
-        rank = torch.sub(lp, lpt).gt_(0).sum(-1, keepdim=True)
+        if not x.is_cuda and bool((lpt >= top1).all()):
+            rank = torch.zeros_like(top1)  # every target is a top token (greedy): no pass over V needed
+        else:  # (on CUDA never branch on device values: that would be a host sync)
+            rank = torch.sub(lp, lpt).gt_(0).sum(-1, keepdim=True)
         target32 = tgt
         if not all_valid:
             valid = tgt >= 0
