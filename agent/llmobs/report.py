@@ -19,7 +19,7 @@ from llmobs.pipeline.live import probe_class
 
 # What a probe's excess over the median step means, in words (by probe class, see probe_class).
 _WHY = {
-    "offcpu": "the thread was off the CPU (descheduled or blocked)",
+    "offcpu": "the process's threads were off the CPU (descheduled or waiting; summed over threads)",
     "compute": "the matrix multiplies (GEMM) took longer",
     "alloc": "more or slower memory allocations",
     "free": "more memory frees",
@@ -28,6 +28,7 @@ _WHY = {
     "memcpy": "more host/device copies",
     "other": "",
 }
+_BYTES = {"alloc", "free", "memcpy"}  # classes whose event value is a byte count
 SLOWEST = 5
 STANDS_OUT = 1.5  # a probe stands out when its count or time is this many times the median step's
 
@@ -223,7 +224,7 @@ def probes_section(requests: list[Request]) -> list[str]:
         total = sum(counts)
         rows.append([
             name, probe_class(name), f"{total / len(tokens):,.1f}", f"{min(counts):,}", f"{max(counts):,}",
-            f"{values / len(tokens) / 1024:,.1f}" if values else "-",
+            f"{values / len(tokens) / 1024:,.1f}" if values and probe_class(name) in _BYTES else "-",
             f"{times / total / 1e3:,.2f}" if total and times else "-",
             f"{times / 1e6:,.1f}" if times else "-",
         ])  # fmt: skip
@@ -254,5 +255,13 @@ def build_report(
             f"  generated: {text!r}" if decode else "  (token ids: no tokenizer given)",
             *request_table(request),
         ]
-    lines += ["", *slowest_section(requests), "", *probes_section(requests)]
+    lines += [
+        "",
+        "(allocs, GEMMs, faults: exact kernel counts per forward pass; off-CPU: summed over the process's",
+        " threads, so with a thread pool it can exceed the step's latency)",
+        "",
+        *slowest_section(requests),
+        "",
+        *probes_section(requests),
+    ]
     return "\n".join(lines) + "\n"

