@@ -19,7 +19,7 @@ from llmobs.pipeline.live import probe_class
 
 # What a probe's excess over the median step means, in words (by probe class, see probe_class).
 _WHY = {
-    "offcpu": "the process's threads were off the CPU (descheduled or waiting; summed over threads)",
+    "offcpu": "off the CPU (descheduled by other work, or waiting)",
     "compute": "the matrix multiplies (GEMM) took longer",
     "alloc": "more or slower memory allocations",
     "free": "more memory frees",
@@ -81,6 +81,14 @@ _PROBES_SQL = """
 SELECT pid, step_seq, probe, sum(count), sum(sum_value), sum(sum_duration_ns)
 FROM probe_aggregates WHERE step_seq <> 0 GROUP BY ALL
 """
+# Off-CPU time of the thread that runs the forward pass (tid = pid: the workload's main thread). The
+# exact totals sum every thread of the process, and an idle intra-op pool thread is off-CPU the whole
+# step, which says nothing about why the step was slow; the sampled events keep the tid.
+MAIN_OFFCPU = "sched_switch (main thread)"
+_MAIN_OFFCPU_SQL = """
+SELECT pid, step_seq, sum(sample_ratio), sum(duration_ns * sample_ratio)
+FROM host_events WHERE probe = 'sched_switch' AND tid = pid AND step_seq <> 0 GROUP BY ALL
+"""
 
 
 def load_requests(
@@ -90,12 +98,18 @@ def load_requests(
     probes: dict[tuple[int, int], dict[str, tuple[int, int, int]]] = {}
     for pid, step_seq, probe, count, value, ns in conn.execute(_PROBES_SQL).fetchall():
         probes.setdefault((pid, step_seq), {})[probe] = (int(count), int(value or 0), int(ns or 0))
+    main_offcpu = {
+        (pid, seq): (int(n), 0, int(ns)) for pid, seq, n, ns in conn.execute(_MAIN_OFFCPU_SQL).fetchall()
+    }
     requests: list[Request] = []
     for row in conn.execute(_STEPS_SQL).fetchall():
         pid, trace, tenant, session, model = row[:5]
         token = Token(pid, *row[5:])
         token.loss = math.nan if token.loss is None else float(token.loss)
-        token.probes = probes.get((pid, token.step_seq), {})
+        token.probes = dict(probes.get((pid, token.step_seq), {}))
+        if main_offcpu:  # the main thread's own off-CPU time, where the events say it (0 if none)
+            token.probes[MAIN_OFFCPU] = main_offcpu.get((pid, token.step_seq), (0, 0, 0))
+            token.off_cpu_ns = token.probes[MAIN_OFFCPU][2]
         token.text = decode(token.token_id) if decode else f"#{token.token_id}"
         last = requests[-1] if requests else None
         new_request = (
@@ -171,6 +185,8 @@ def why_slow(token: Token, median_latency: float, medians: dict[str, tuple[float
         )
     excess = max(token.latency_ns - median_latency, 1.0)
     for name, (count, _value, ns) in token.probes.items():
+        if name == "sched_switch" and MAIN_OFFCPU in token.probes:
+            continue  # all threads, idle pool threads included: the main thread's figure says more
         med_count, med_ns = medians.get(name, (0.0, 0.0))
         cls = probe_class(name)
         timed_out = ns > STANDS_OUT * med_ns and ns - med_ns > 0.05 * excess
@@ -211,6 +227,14 @@ def slowest_section(requests: list[Request], limit: int = SLOWEST) -> list[str]:
     return lines
 
 
+def _per_step_value(probe: str, value: float) -> str:
+    """What a probe's event value adds up to per step, in its unit: bytes, or FLOPs for a GEMM."""
+    cls = probe_class(probe)
+    if not value or (cls not in _BYTES and cls != "compute"):
+        return "-"
+    return f"{value / 1024:,.1f} KiB" if cls in _BYTES else f"{value / 1e6:,.1f} MFLOP"
+
+
 def probes_section(requests: list[Request]) -> list[str]:
     tokens = [t for r in requests for t in r.tokens]
     names = sorted({p for t in tokens for p in t.probes})
@@ -224,11 +248,11 @@ def probes_section(requests: list[Request]) -> list[str]:
         total = sum(counts)
         rows.append([
             name, probe_class(name), f"{total / len(tokens):,.1f}", f"{min(counts):,}", f"{max(counts):,}",
-            f"{values / len(tokens) / 1024:,.1f}" if values and probe_class(name) in _BYTES else "-",
+            _per_step_value(name, values / len(tokens)),
             f"{times / total / 1e3:,.2f}" if total and times else "-",
             f"{times / 1e6:,.1f}" if times else "-",
         ])  # fmt: skip
-    header = ["probe", "class", "per step", "min", "max", "KiB/step", "us/call", "total ms"]
+    header = ["probe", "class", "per step", "min", "max", "value/step", "us/call", "total ms"]
     return [
         f"Probes per step (exact kernel totals over {len(tokens)} token steps):",
         *_table(header, rows, {0, 1}),
@@ -257,8 +281,8 @@ def build_report(
         ]
     lines += [
         "",
-        "(allocs, GEMMs, faults: exact kernel counts per forward pass; off-CPU: summed over the process's",
-        " threads, so with a thread pool it can exceed the step's latency)",
+        "(allocs, GEMMs, faults: exact kernel counts per forward pass; off-CPU: the main thread's time",
+        " descheduled or waiting during the step, from its sched_switch events)",
         "",
         *slowest_section(requests),
         "",

@@ -152,15 +152,16 @@ def render(rows: list[dict]) -> str:
 class Top:
     """Collects the rows of one refresh from snapshots, maps and (when free) the store."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, shm_dir: str = layout.SHM_DIR):
         self.pids = args.pid
+        self.shm_dir = shm_dir
         self.db = None if args.db is None else Path(args.db or default_db_path()).resolve()
         self.watchers: dict[int, MapWatcher] = {}
         if self.pids:
             from llmobs.shm.reader import ShmReader
 
             for pid in self.pids:  # a wrong pid is one clear error up front, not an empty table
-                with ShmReader(pid):
+                with ShmReader(pid, shm_dir=shm_dir):
                     pass
 
     def rows(self) -> list[dict]:
@@ -179,13 +180,13 @@ class Top:
                     ) from None
                 raise
         by_pid = {s["pid"]: s for s in snapshots}
-        wanted = self.pids or sorted(set(by_pid) | set(_instrumented_pids()))
+        wanted = self.pids or sorted(set(by_pid) | set(_instrumented_pids(self.shm_dir)))
         rows = []
         for pid in wanted:
             if pid in by_pid:
                 rows.append(_snapshot_row(by_pid[pid]))
                 continue
-            watcher = self.watchers.get(pid) or self.watchers.setdefault(pid, MapWatcher(pid))
+            watcher = self.watchers.get(pid) or self.watchers.setdefault(pid, MapWatcher(pid, self.shm_dir))
             row = watcher.row()
             if row is not None:
                 rows.append(row)
