@@ -254,7 +254,7 @@ def probes_section(requests: list[Request]) -> list[str]:
         ])  # fmt: skip
     header = ["probe", "class", "per step", "min", "max", "value/step", "us/call", "total ms"]
     return [
-        f"Probes per step (exact kernel totals over {len(tokens)} token steps):",
+        f"Probes per step (exact kernel totals over {len(tokens)} token steps; main thread: its events):",
         *_table(header, rows, {0, 1}),
     ]
 

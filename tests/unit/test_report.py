@@ -1,0 +1,100 @@
+"""The demo report and plot from a real store with known contents: per-token tables, the slowest steps
+and the probe that explains each, the probes per step, and a PNG that decodes to the expected size."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from llmobs import plot, report
+from llmobs.correlate import correlate
+from llmobs.store.sink import DuckDBStore
+
+PID = 321
+MS = 1_000_000
+
+
+def _store(tmp_path):
+    """Two requests of 6 tokens. Step 4 of request 1 is slow because the main thread was off-CPU for
+    40 ms; step 2 of request 2 is slow because it allocated 50x more; step 0s are prefills."""
+    rows = {k: [] for k in ("pid", "step_seq", "trace_id", "step", "position", "token_id", "loss", "entropy",
+                            "target_prob", "latency_ns", "t_start_ns", "t_end_ns", "batch_row", "tenant",
+                            "session", "model_id")}  # fmt: skip
+    aggregates = {
+        k: [] for k in ("pid", "step_seq", "probe", "count", "sum_value", "sum_duration_ns", "ts_ns")
+    }
+    events = {k: [] for k in ("pid", "tid", "ts_ns", "probe", "kind", "step_seq", "duration_ns", "value")}
+    t = 10**12
+    seq = 0
+    for r, (tenant, trace) in enumerate((("acme", "aa" * 16), ("globex", "bb" * 16))):
+        for step in range(6):
+            seq += 1
+            latency = 10 * MS
+            allocs, main_off = 100, 1 * MS
+            if (r, step) == (0, 4):
+                latency, main_off = 50 * MS, 41 * MS
+            if (r, step) == (1, 2):
+                latency, allocs = 30 * MS, 5000
+            for k, v in (("pid", PID), ("step_seq", seq), ("trace_id", trace), ("step", step),
+                         ("position", 7 + step), ("token_id", 65 + step), ("loss", 0.5 * (step + 1)),
+                         ("entropy", 1.0), ("target_prob", 0.5), ("latency_ns", latency), ("t_start_ns", t),
+                         ("t_end_ns", t + latency), ("batch_row", 0), ("tenant", tenant),
+                         ("session", f"s{r}"), ("model_id", "m")):  # fmt: skip
+                rows[k].append(v)
+            for probe, count, value, ns in (("alloc_cpu", allocs, allocs * 64, 0), ("sgemm", 30, 10**6, 0),
+                                            ("sched_switch", 20, 20, 180 * MS)):  # fmt: skip
+                for k, v in (("pid", PID), ("step_seq", seq), ("probe", probe), ("count", count),
+                             ("sum_value", value), ("sum_duration_ns", ns), ("ts_ns", t)):  # fmt: skip
+                    aggregates[k].append(v)
+            for tid, ns in ((PID, main_off), (PID + 1, 9 * MS)):  # main thread, and an idle pool thread
+                event = (("pid", PID), ("tid", tid), ("ts_ns", t + 1), ("probe", "sched_switch"),
+                         ("kind", "host"), ("step_seq", seq), ("duration_ns", ns), ("value", 1))  # fmt: skip
+                for k, v in event:
+                    events[k].append(v)
+            t += latency + MS
+    store = DuckDBStore(tmp_path / "r.duckdb")
+    store.append({"token_steps": rows, "probe_aggregates": aggregates, "events": events})
+    correlate(store.connection)
+    return store
+
+
+def test_report_tables_slowest_steps_and_probes(tmp_path):
+    with _store(tmp_path) as store:
+        requests = report.load_requests(store.connection, decode=chr)
+        text = report.build_report(store.connection, decode=chr, header=["HEADER"], requests=requests)
+    assert [len(r.tokens) for r in requests] == [6, 6]
+    assert [(r.tenant, r.session) for r in requests] == [("acme", "s0"), ("globex", "s1")]
+    assert requests[0].mean_loss == pytest.approx(np.mean([0.5, 1.0, 1.5, 2.0, 2.5, 3.0]))
+    assert text.startswith("HEADER\n") and "generated: 'ABCDEF'" in text
+    # the per-token table: one line per token, with the main thread's off-CPU (not all threads')
+    table = [line for line in text.splitlines() if line.startswith("     4  'E'")]
+    assert len(table) == 2
+    assert table[0].split()[5:9] == ["50.0", "100", "30", "41.0"]
+    slow = text.split("Slowest steps")[1].split("Probes per step")[0]
+    first, second = slow.split("  request ")[1:3]
+    assert first.startswith("1 step 4 'E': 50.0 ms = 5.0x the median")
+    assert "sched_switch (main thread) 41.0 ms vs 1.0 ms median" in first and "alloc" not in first
+    assert second.startswith("2 step 2 'C': 30.0 ms") and "alloc_cpu 5,000 calls vs 100 median" in second
+    # the all-threads sched_switch total is the same every step: it must never be given as a reason
+    assert "- sched_switch 180" not in slow
+    probes = text.split("Probes per step")[1].splitlines()
+    sgemm = next(line for line in probes if line.strip().startswith("sgemm "))
+    assert sgemm.split()[1:5] == ["compute", "30.0", "30", "30"] and "1.0 MFLOP" in sgemm
+    alloc = next(line for line in probes if line.strip().startswith("alloc_cpu "))
+    assert alloc.split()[2:5] == [f"{(100 * 11 + 5000) / 12:,.1f}", "100", "5,000"]
+
+
+def test_report_without_tokenizer_shows_ids(tmp_path):
+    with _store(tmp_path) as store:
+        text = report.build_report(store.connection)
+    assert "'#69'" in text and "no tokenizer" in text
+
+
+def test_plot_writes_a_png(tmp_path):
+    import matplotlib.image as mpimg
+
+    with _store(tmp_path) as store:
+        requests = report.load_requests(store.connection)
+    path = plot.write_png(requests, tmp_path / "p.png", "title")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    height, width = mpimg.imread(path).shape[:2]
+    assert (width, height) == (11 * 110, int(6.5 * 110))
