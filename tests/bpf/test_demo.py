@@ -98,3 +98,15 @@ def test_top_once_shows_a_live_attach(tmp_path):
         workload.terminate()
         workload.wait(timeout=30)
         os.close(ready_r)
+
+
+def test_demo_refusals_are_one_line_with_distinct_codes(tmp_path):
+    nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    proc = subprocess.run(
+        [*nobody, *AGENT, "demo", "--model", "tiny", "--out", str(tmp_path / "d")],
+        capture_output=True, text=True, timeout=60, cwd="/tmp",
+    )  # fmt: skip
+    assert proc.returncode == 4 and proc.stderr.startswith("error: attaching eBPF probes needs root")
+    assert "Traceback" not in proc.stderr and not (tmp_path / "d").exists()
+    bad = subprocess.run([*AGENT, "demo", "--requests", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --requests and --max-new-tokens")
