@@ -65,6 +65,8 @@ class LiveStats:
         self.first_start_ns: int | None = None
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=100_000)  # (t_end_ns, latency_ns, loss)
         self._work: dict[int, dict[str, float]] = {}  # step_seq -> class -> count (offcpu: ns)
+        # The step in flight when the probes attached was only partly seen: left out of the averages.
+        self._partial_step: int | None = None
 
     def add_steps(self, columns: dict) -> None:
         n = len(columns["step_seq"])
@@ -88,8 +90,11 @@ class LiveStats:
 
     def add_aggregates(self, table: pa.Table) -> None:
         """probe_aggregates deltas (pid, step_seq, probe, count, sum_value, sum_duration_ns)."""
-        for row in table.to_pylist():
-            if row["pid"] != self.pid or not row["step_seq"]:
+        rows = [r for r in table.to_pylist() if r["pid"] == self.pid and r["step_seq"]]
+        if rows and self._partial_step is None:
+            self._partial_step = min(r["step_seq"] for r in rows)
+        for row in rows:
+            if row["step_seq"] == self._partial_step:
                 continue
             cls = probe_class(row["probe"])
             slot = self._work.setdefault(row["step_seq"], {})
