@@ -38,12 +38,16 @@ def test_live_stats_from_known_steps_and_totals():
     stats = LiveStats(7)
     stats.add_steps(_columns(7, [1, 2, 3, 4, 100], [1.0, 2.0, float("nan"), 3.0, 6.0], now))
     stats.add_aggregates(  # step 1 was in flight when the probes attached: partly seen, left out
-        pa.table({
-            "pid": [7, 7, 7, 7, 7, 8], "step_seq": [1, 2, 2, 3, 3, 1],
-            "probe": ["alloc_cpu", "alloc_cpu", "sched_switch", "alloc_cpu", "sgemm", "alloc_cpu"],
-            "count": [3, 10, 2, 30, 5, 999], "sum_value": [0] * 6,
-            "sum_duration_ns": [0, 0, 4_000_000, 0, 0, 0],
-        })  # fmt: skip
+        pa.table(
+            {
+                "pid": [7, 7, 7, 7, 7, 8],
+                "step_seq": [1, 2, 2, 3, 3, 1],
+                "probe": ["alloc_cpu", "alloc_cpu", "sched_switch", "alloc_cpu", "sgemm", "alloc_cpu"],
+                "count": [3, 10, 2, 30, 5, 999],
+                "sum_value": [0] * 6,
+                "sum_duration_ns": [0, 0, 4_000_000, 0, 0, 0],
+            }
+        )  # fmt: skip
     )
     row = stats.row(now)
     assert row["tokens"] == 5 and row["model_id"] == "m" and row["tenants"] == ["acme", "globex"]
