@@ -20,14 +20,17 @@ from llmobs.bpf.cleanup import remove_stale_uprobes
 from llmobs.bpf.libraries import ResolvedProbe, Skipped, mapped_libraries, resolve
 from llmobs.bpf.profiles import Probe, probes_of
 from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
-from llmobs.bpf.records import COUNTERS
+from llmobs.bpf.records import COUNTERS, RING_RECORD_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
 from llmobs.errors import AccessDenied, NothingAttached, NotTracked
 from llmobs.procfs import MapEntry, ProcFS
 
 TRACEFS = "/sys/kernel/tracing"
 _CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
-REFRESH_S = 1.0  # how often the map address, watched fds and aggregate harvest are refreshed
+REFRESH_S = 1.0  # how often the watched fds and the aggregate harvest are refreshed
+# /proc/PID/maps of a torch process is thousands of lines: re-read every second only until the map
+# is found, then every 10 s (to notice a re-created map)
+MAPS_REFRESH_S = (1.0, 10.0)
 
 
 def _own_age_s(procfs: ProcFS) -> float:
@@ -115,6 +118,7 @@ class AttachSession:
         self._start_ticks = 0
         self._ring: RingConsumer | None = None
         self._next_refresh = 0.0
+        self._next_maps = 0.0
         self._ncpus = 1
         self._closed = False
         self._final: dict | None = None
@@ -204,6 +208,11 @@ class AttachSession:
         )
 
     # ---- running ----------------------------------------------------------------------------------------
+    @property
+    def ring_records(self) -> int:
+        """How many events the ring holds when full."""
+        return self.program.ring_bytes // RING_RECORD_DTYPE.itemsize if self.program else 0
+
     def target_alive(self) -> bool:
         try:
             self.procfs.require(self.pid)
@@ -231,19 +240,20 @@ class AttachSession:
             return
         self._next_refresh = now + REFRESH_S
         try:
-            entries = self.procfs.maps(self.pid)
-            fds = self.procfs.fds(self.pid)
+            if force or now >= self._next_maps:
+                self._next_maps = now + MAPS_REFRESH_S[bool(self.cell_address)]
+                address = find_context_cell(self.pid, self.procfs.maps(self.pid), ctx_offset())
+                if address != self.cell_address:  # the map was created (or re-created) after we attached
+                    self.cell_address = address
+                    self.program.set_target(self.pid, address)
+            if any(p.name == "ioctl" for p in self.attached_probes):
+                pattern = self.options.ioctl_paths
+                fds = self.procfs.fds(self.pid)
+                self.program.set_watched_fds(
+                    self.pid, {fd for fd, path in fds.items() if fnmatch.fnmatch(path, pattern)}
+                )
         except Exception:
             return  # the target is going away; the caller notices through target_alive()
-        address = find_context_cell(self.pid, entries, ctx_offset())
-        if address != self.cell_address:  # the process started (or re-created) its map after we attached
-            self.cell_address = address
-            self.program.set_target(self.pid, address)
-        if any(p.name == "ioctl" for p in self.attached_probes):
-            pattern = self.options.ioctl_paths
-            self.program.set_watched_fds(
-                self.pid, {fd for fd, path in fds.items() if fnmatch.fnmatch(path, pattern)}
-            )
         self._harvest()
 
     def _harvest(self) -> None:
