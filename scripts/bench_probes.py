@@ -11,9 +11,11 @@
   workload  tokens/s of SmolLM2-135M (scripts/workload.py's model, instrumented) with and without
             `llmobs-agent attach` (default profiles), generate and teacher-forced forward, 1 and 2
             torch threads, interleaved; the ratio with/without.
+  probes-only  the same workload with the default probes attached by this script (no agent process):
+            none / sgemm uprobe / host tracepoints / all, interleaved; the probes' own cost.
   latency   `llmobs-agent attach --pid` to its first event, from the agent's process start.
 
-Run as root: `.venv/bin/python scripts/bench_probes.py [--only cost,ingest,workload,latency]`.
+Run as root: `.venv/bin/python scripts/bench_probes.py [--only cost,ingest,workload,probes-only,latency]`.
 Machines here are shared and noisy: read the ratios, not the absolute numbers.
 """
 
@@ -505,6 +507,51 @@ def bench_workload(rounds: int, tokens: int, profile: str, modes: tuple[str, ...
     target.close()
 
 
+def bench_probes_only(rounds: int, tokens: int, threads_list) -> None:
+    """The default probes' own cost, without the agent process: this script attaches them to the
+    workload (rounds interleave none / uprobe only / host tracepoints only / all) and drains the
+    ring between rounds. Separates the probes' cost from the agent's CPU use on a 2-core host."""
+    from llmobs.bpf.libraries import mapped_libraries, resolve
+    from llmobs.bpf.profiles import DEFAULT_PROFILES, PROBES, probes_of
+    from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
+    from llmobs.bpf.ringbuf import RingConsumer
+    from llmobs.bpf.session import find_context_cell
+    from llmobs.procfs import ProcFS
+
+    target = Child("--workload-target", timeout=600)
+    procfs = ProcFS()
+    entries = procfs.maps(target.pid)
+    program = ProbeProgram(probes_of(DEFAULT_PROFILES))
+    program.set_target(target.pid, find_context_cell(target.pid, entries, ctx_offset()))
+    ring = RingConsumer(program.map_fd("llmobs_events"), program.ring_bytes)
+    by_name = {probe.name: probe for probe in PROBES}
+    sgemm = resolve(by_name["sgemm"], target.pid, mapped_libraries(entries), procfs)
+    arms = ("none", "sgemm uprobe", "host tracepoints", "all default")
+    for threads in threads_list:
+        target.ask(f"gen 8 {threads}")  # settle the thread pool
+        results = {arm: [] for arm in arms}
+        for _ in range(rounds):
+            for arm in arms:
+                attached = Attached()
+                if arm in ("sgemm uprobe", "all default"):
+                    program.attach_uprobe(sgemm, target.pid, attached)
+                if arm in ("host tracepoints", "all default"):
+                    for name in ("sched_switch", "page_fault_user", "ioctl"):
+                        program.attach_tracepoints(by_name[name], attached)
+                results[arm].append(target.ask(f"gen {tokens} {threads}"))
+                program.detach(attached)
+                ring.drain()
+        base = statistics.median(results["none"])
+        row = "  ".join(
+            f"{arm} {statistics.median(v):.1f} ({statistics.median(v) / base:.3f})"
+            for arm, v in results.items()
+        )
+        print(f"gen, {threads} thread(s), tok/s (ratio to none), medians of {rounds}: {row}", flush=True)
+    ring.close()
+    program.close()
+    target.close()
+
+
 def bench_latency(rounds: int) -> None:
     target = Child("--target")
     stop = {"now": False}
@@ -537,7 +584,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", default="cost,ingest,workload,latency")
+    parser.add_argument("--only", default="cost,ingest,workload,probes-only,latency")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32, help="generated tokens per workload round")
     parser.add_argument("--profile", default="cpu,host", help="profiles attached in the workload benchmark")
@@ -560,6 +607,11 @@ def main() -> int:
         print(f"== workload: SmolLM2-135M tokens/s, `attach --profile {args.profile}` vs no agent ==")
         threads = tuple(int(t) for t in args.threads.split(","))
         bench_workload(args.rounds, args.tokens, args.profile, tuple(args.modes.split(",")), threads)
+    if "probes-only" in only:
+        print(
+            "== workload: SmolLM2-135M tokens/s with the default probes attached by this script (no agent) =="
+        )
+        bench_probes_only(args.rounds, args.tokens, tuple(int(t) for t in args.threads.split(",")))
     if "latency" in only:
         print("== attach latency ==")
         bench_latency(args.rounds)
