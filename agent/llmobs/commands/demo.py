@@ -48,7 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="llmobs-demo", metavar="DIR", help="output folder (./llmobs-demo)")
     parser.add_argument("--profile", default="cpu,mem,host", help="probe profiles (default cpu,mem,host)")
-    parser.add_argument("--threads", type=int, default=0, help="the workload's torch threads (0: default)")
+    # 1 by default: on a shared 2-core box OpenMP threads spin at barriers while a sibling is preempted
+    # (measured here: 0.5-3.3 tokens/s with torch's default 2 threads, run to run), 1 thread is steady
+    parser.add_argument("--threads", type=int, default=1, help="the workload's torch threads (default 1)")
 
 
 class Progress:
