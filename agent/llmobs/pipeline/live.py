@@ -121,8 +121,9 @@ class LiveStats:
         steps = sorted(self._work)[-WORK_STEPS:]
         per_step = {}
         if steps:
-            for cls in WORK_CLASSES:
-                per_step[cls] = sum(self._work[s].get(cls, 0) for s in steps) / len(steps)
+            for cls in WORK_CLASSES:  # only classes some probe counted: no `mem` profile -> "-", not 0
+                if any(cls in self._work[s] for s in steps):
+                    per_step[cls] = sum(self._work[s].get(cls, 0) for s in steps) / len(steps)
         return {
             "pid": self.pid,
             "model_id": self.model_id,
