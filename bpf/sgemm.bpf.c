@@ -1,4 +1,4 @@
-/* cpu profile: the CPU GEMM entry nn.Linear goes through on this torch build (MKL's Fortran-ABI
+/* gemm profile: the CPU GEMM entry nn.Linear goes through on this torch build (MKL's Fortran-ABI
  * sgemm_, one call per linear layer; matmul/bmm reach it too). value = flops = 2*m*n*k, read from
  * the pointer arguments. By default a point event at entry; with `attach --gemm-durations` the
  * timed pair (uprobe__sgemm_timed + uretprobe__sgemm) instead, at about twice the cost per hit. */

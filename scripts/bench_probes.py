@@ -222,7 +222,7 @@ def _bench_cost(rounds: int) -> None:
     entries = procfs.maps(target.pid)
     paths = mapped_libraries(entries)
     by_name = {probe.name: probe for probe in PROBES}
-    program = ProbeProgram(probes_of(("cpu", "mem", "host")))
+    program = ProbeProgram(probes_of(("cpu", "gemm", "mem", "host")))
     program.set_target(target.pid, find_context_cell(target.pid, entries, ctx_offset()))
     program.set_watched_fds(target.pid, {fd for fd, p in procfs.fds(target.pid).items() if p == "/dev/null"})
     empty = EmptyProbes()
@@ -286,6 +286,7 @@ def _bench_cost(rounds: int) -> None:
         }
 
     cases = [
+        uprobe_case("linear", "gemm"),
         uprobe_case("sgemm", "gemm"),
         uprobe_case("sgemm", "gemm", durations=True),
         uprobe_case("alloc_cpu", "alloc"),
@@ -525,15 +526,23 @@ def bench_probes_only(rounds: int, tokens: int, threads_list) -> None:
     program.set_target(target.pid, find_context_cell(target.pid, entries, ctx_offset()))
     ring = RingConsumer(program.map_fd("llmobs_events"), program.ring_bytes)
     by_name = {probe.name: probe for probe in PROBES}
+    program.close()
+    program = ProbeProgram(probes_of((*DEFAULT_PROFILES, "gemm")))
+    program.set_target(target.pid, find_context_cell(target.pid, entries, ctx_offset()))
+    ring.close()
+    ring = RingConsumer(program.map_fd("llmobs_events"), program.ring_bytes)
+    linear = resolve(by_name["linear"], target.pid, mapped_libraries(entries), procfs)
     sgemm = resolve(by_name["sgemm"], target.pid, mapped_libraries(entries), procfs)
-    arms = ("none", "sgemm uprobe", "host tracepoints", "all default")
+    arms = ("none", "linear uprobe", "host tracepoints", "all default", "sgemm uprobe (gemm)")
     for threads in threads_list:
         target.ask(f"gen 8 {threads}")  # settle the thread pool
         results = {arm: [] for arm in arms}
         for _ in range(rounds):
             for arm in arms:
                 attached = Attached()
-                if arm in ("sgemm uprobe", "all default"):
+                if arm in ("linear uprobe", "all default"):
+                    program.attach_uprobe(linear, target.pid, attached)
+                if arm == "sgemm uprobe (gemm)":
                     program.attach_uprobe(sgemm, target.pid, attached)
                 if arm in ("host tracepoints", "all default"):
                     for name in ("sched_switch", "page_fault_user", "ioctl"):

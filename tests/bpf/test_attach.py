@@ -78,7 +78,7 @@ def test_attach_counts_tags_and_detaches_on_sigint(tmp_path):
             "--pid",
             str(target.pid),
             "--profile",
-            "cpu,mem,host",
+            "cpu,gemm,mem,host",
             "--ioctl-paths",
             "/dev/null",
             "--out",
@@ -102,6 +102,7 @@ def test_attach_counts_tags_and_detaches_on_sigint(tmp_path):
         assert aggregates[("sgemm", step)]["sum_value"] == step * GEMM_FLOPS
         assert aggregates[("sgemm", step)]["sum_duration_ns"] == 0  # GEMM durations are opt-in
         assert aggregates[("ioctl", step)]["count"] == step
+        assert aggregates[("linear", step)]["count"] == step
     tagged = [e for e in events if e["pid"] == target.pid and e["step_seq"]]
     assert tagged and all(e["trace_id"] == f"{e['step_seq']:032x}" for e in tagged)
     assert {e["sample_ratio"] for e in events} == {1}
@@ -124,7 +125,7 @@ def test_sigterm_detaches_cleanly():
         agent.proc.send_signal(signal.SIGTERM)
         code, text = agent.finish()
         assert code == 0, text
-        assert "(SIGTERM)" in text and "sgemm" in text
+        assert "(SIGTERM)" in text and "linear" in text
         _assert_clean(agent.pid, target.pid, before)
 
 
@@ -218,5 +219,5 @@ def test_ebpf_prints_the_program(with_pid):
         )
         assert "LLMOBS_CALL_POINT(cuLaunchKernel, LLMOBS_PROBE_cuLaunchKernel" in result.stdout
     assert result.returncode == 0, result.stderr
-    assert "int uprobe__sgemm(struct pt_regs *ctx)" in result.stdout
+    assert "int uprobe__linear(struct pt_regs *ctx)" in result.stdout
     assert "BPF_RINGBUF_OUTPUT(llmobs_events" in result.stdout

@@ -48,7 +48,14 @@ def test_tags_match_the_map_and_sampling_keeps_requests_whole(tmp_path):
     try:
         assert _read_json_line(ready_r)["phase"] == "ready"
         agent = Agent(
-            "--pid", str(workload.pid), "--profile", "cpu,host", "--sample", str(SAMPLE), "--out", str(out)
+            "--pid",
+            str(workload.pid),
+            "--profile",
+            "cpu,gemm,host",
+            "--sample",
+            str(SAMPLE),
+            "--out",
+            str(out),
         )
         agent.wait_for("attached in")
         workload.stdin.write(b"go\n")

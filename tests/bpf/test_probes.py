@@ -17,18 +17,18 @@ from llmobs.bpf.records import FLAG_TRACKED, trace_kept
 from llmobs.bpf.session import AttachSession, Options
 from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, Target, leftovers
 
-EXACT = ("alloc_cpu", "free_cpu", "sgemm", "ioctl")
+EXACT = ("alloc_cpu", "free_cpu", "sgemm", "linear", "ioctl")
 
 
 @pytest.fixture(scope="module")
 def program():
-    program = ProbeProgram(probes_of(("cpu", "mem", "host")))
+    program = ProbeProgram(probes_of(("cpu", "gemm", "mem", "host")))
     yield program
     program.close()
 
 
 def _attach(program, target, **options) -> AttachSession:
-    options.setdefault("profiles", ("cpu", "mem", "host"))
+    options.setdefault("profiles", ("cpu", "gemm", "mem", "host"))
     options.setdefault("ioctl_paths", "/dev/null")
     session = AttachSession(target.pid, Options(**options), program=program)
     session.start()
@@ -64,6 +64,7 @@ def test_exact_counts_and_tags_per_step(program):
         assert totals[("alloc_cpu", step)][:2] == [allocs + gemms, expected_bytes]
         assert totals[("free_cpu", step)][:2] == [allocs + gemms, expected_bytes]
         assert totals[("sgemm", step)][:2] == [gemms, gemms * GEMM_FLOPS]
+        assert totals[("linear", step)][0] == gemms  # one at::linear per F.linear
         assert totals.get(("ioctl", step), [0])[0] == ioctls
         assert totals[("alloc_cpu", step)][2] > 0 and totals[("sgemm", step)][2] > 0  # durations from returns
     # with --sample 1 every counted event is also in the ring, tagged with its step's trace
@@ -121,8 +122,8 @@ def test_trace_sampling_keeps_requests_whole_and_counts_all(program):
         mine = events[(events["trace_id_hi"] == hi) & (events["trace_id_lo"] == lo)]
         exact = mine[np.isin(mine["probe"], [PROBE_IDS[name] for name in EXACT])]
         expected = trace_kept(hi, lo, n)
-        # whole or nothing: both steps' 9 alloc/free/GEMM events, or none of them
-        assert len(exact) == (18 if expected else 0), (i, len(exact))
+        # whole or nothing: both steps' 10 alloc/free/GEMM/linear events, or none of them
+        assert len(exact) == (20 if expected else 0), (i, len(exact))
         if not expected:
             assert len(mine) == 0  # no event of a dropped request leaks out (off-CPU, faults included)
         kept += expected

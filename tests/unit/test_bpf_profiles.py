@@ -20,8 +20,8 @@ def test_parse_profiles():
 
 def test_default_set_leaves_allocations_out():
     names = {probe.name for probe in probes_of(DEFAULT_PROFILES)}
-    assert {"sgemm", "sched_switch", "page_fault_user", "ioctl"} <= names
-    assert not names & {"alloc_cpu", "free_cpu"}
+    assert {"linear", "sched_switch", "page_fault_user", "ioctl"} <= names
+    assert not names & {"alloc_cpu", "free_cpu", "sgemm"}
 
 
 def test_probe_names_unique_and_ids_dense():
@@ -49,7 +49,7 @@ def test_cuda_profile_covers_the_issue_list():
 
 
 def test_assemble_inlines_each_file_once_and_instantiates_templates():
-    text = assemble(probes_of(("cpu", "mem", "host", "cuda")))
+    text = assemble(probes_of(("cpu", "gemm", "mem", "host", "cuda")))
     assert text.count("---- llmobs_events.h ----") == 1
     assert text.count("---- llmobs_abi.h ----") == 1
     for source in {probe.source for probe in PROBES}:
@@ -63,12 +63,14 @@ def test_assemble_inlines_each_file_once_and_instantiates_templates():
     )
     assert f"#define LLMOBS_PROBE_sgemm {PROBE_IDS['sgemm']}" in text
     only_cpu = assemble(probes_of(("cpu",)))
-    assert "sgemm.bpf.c" in only_cpu and "sched_switch.bpf.c" not in only_cpu
+    assert (
+        "linear.bpf.c" in only_cpu and "sgemm.bpf.c" not in only_cpu and "sched_switch.bpf.c" not in only_cpu
+    )
 
 
 def test_every_uprobe_program_exists_for_its_probe():
-    text = assemble(probes_of(("cpu", "mem", "host")))
-    for probe in probes_of(("cpu", "mem", "host")):
+    text = assemble(probes_of(("cpu", "gemm", "mem", "host")))
+    for probe in probes_of(("cpu", "gemm", "mem", "host")):
         if probe.hook == "uprobe":
             assert re.search(rf"int uprobe__{probe.name}\(", text)
             returns = probe.timed or probe.optional_duration

@@ -4,10 +4,11 @@ A probe's index in PROBES is its id in the kernel (the `probe` field of events a
 the table only ever grows at the end.
 
 The default set (`cpu,host`) was chosen by measurement (docs/probes.md, scripts/bench_probes.py):
-the GEMM entry fires ~750 times per SmolLM2 token; at sgemm_+4 a point probe costs ~0.9 us a hit
-(~1.2% of a token), the timed pair ~1.6 us (~2.2%, more with 2 threads), so GEMM durations are
-opt-in (--gemm-durations). alloc_cpu/free_cpu fire ~2,950 times per token together and cost several
-percent, so they sit in the opt-in `mem` profile (the issue's "cpu" profile, split in two).
+the GEMM entry (sgemm_) fires 751 times per SmolLM2 token and cost 2.9% tokens/s with one thread even
+as a point probe at sgemm_+4, so it sits in the opt-in `gemm` profile (with --gemm-durations for the
+timed pair), and the default `cpu` profile probes the linear op above it (211 calls per token).
+alloc_cpu/free_cpu fire ~2,950 times per token together and cost several percent: the opt-in `mem`
+profile. (The issue's "cpu" profile, split three ways by cost.)
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 # libraries by basename: wheels ship their own copies, sometimes with a hash in the name
 LIB_C10 = r"^libc10\.so"
+LIB_TORCH_CPU = r"^libtorch_cpu\.so"
+SYM_LINEAR = "_ZN2at4_ops6linear4callERKNS_6TensorES4_RKSt8optionalIS2_E"  # at::_ops::linear::call
 LIB_BLAS = r"^(libtorch_cpu|libmkl_rt|libopenblas[^/]*|libblas)\.so"
 LIB_CUDA = r"^libcuda\.so"
 LIB_CUDART = r"^libcudart(-[0-9a-f]+)?\.so"
@@ -47,8 +50,8 @@ def _cuda(name: str, library: str, timed: bool, value: str = "0", kind: str = "g
 
 
 PROBES: tuple[Probe, ...] = (
-    # cpu: the GEMM nn.Linear reaches on this torch build (MKL sgemm_, statically in libtorch_cpu.so)
-    Probe("sgemm", "cpu", "compute", "sgemm", "uprobe", LIB_BLAS, "sgemm_", optional_duration=True),
+    # gemm: the GEMM nn.Linear reaches on this torch build (MKL sgemm_, statically in libtorch_cpu.so)
+    Probe("sgemm", "gemm", "compute", "sgemm", "uprobe", LIB_BLAS, "sgemm_", optional_duration=True),
     # mem: every CPU tensor allocation and release (opt-in: ~2,900 hits per SmolLM2 token)
     Probe("alloc_cpu", "mem", "mem", "alloc_cpu", "uprobe", LIB_C10, "_ZN3c109alloc_cpuEm", timed=True),
     Probe("free_cpu", "mem", "mem", "free_cpu", "uprobe", LIB_C10, "_ZN3c108free_cpuEPv"),
@@ -112,10 +115,12 @@ PROBES: tuple[Probe, ...] = (
     _cuda("ncclReduce", LIB_NCCL, True, "PT_REGS_PARM3(ctx)"),
     _cuda("ncclSend", LIB_NCCL, True, "PT_REGS_PARM2(ctx)"),
     _cuda("ncclRecv", LIB_NCCL, True, "PT_REGS_PARM2(ctx)"),
+    # cpu: the linear op above the GEMM, one call per nn.Linear (appended: ids only ever grow)
+    Probe("linear", "cpu", "compute", "linear", "uprobe", LIB_TORCH_CPU, SYM_LINEAR),
 )
 
 PROBE_IDS = {probe.name: index for index, probe in enumerate(PROBES)}
-PROFILES = ("cpu", "mem", "host", "cuda")
+PROFILES = ("cpu", "gemm", "mem", "host", "cuda")
 DEFAULT_PROFILES = ("cpu", "host")
 
 

@@ -9,8 +9,6 @@ while attached and once at detach); `--out FILE` writes events and aggregates to
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import signal
 import sys
 import time
@@ -28,9 +26,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile",
         default="cpu,host",
-        help="comma-separated probe profiles: cpu (GEMM), mem (alloc_cpu/free_cpu, opt-in: costly), "
-        "host (off-CPU, page faults, /dev/nvidia* ioctls), cuda (libcuda/libcudart/libnccl). "
-        "Default: cpu,host",
+        help="comma-separated probe profiles: cpu (linear layers), gemm (every BLAS sgemm_, opt-in), "
+        "mem (alloc_cpu/free_cpu, opt-in: costly), host (off-CPU, page faults, /dev/nvidia* ioctls), "
+        "cuda (libcuda/libcudart/libnccl). Default: cpu,host",
     )
     parser.add_argument(
         "--sample", type=int, default=1, metavar="N", help="export 1 in N events (default 1: all)"
@@ -119,7 +117,6 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         ioctl_paths=args.ioctl_paths,
         gemm_durations=args.gemm_durations,
     )
-    _yield_to_the_workload()
     session = AttachSession(args.pid, options)
     stop = {"reason": None}
 
@@ -174,19 +171,6 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         pq.write_table(aggregates_table(final["totals"]), aggregates_path)
         write_summary(summary_path, summary)
     return 0
-
-
-def _yield_to_the_workload() -> None:
-    """SCHED_BATCH (no wake-up preemption) and nice 10 for the agent and the threads it starts.
-
-    Measured with SmolLM2 on 2 cores and 2 torch threads: at normal priority the agent's wake-ups
-    every 20 ms preempt an OpenMP thread while its sibling spins at a barrier, and generation ran
-    3-5x slower; the drain has seconds of slack in the 16 MiB ring, so the agent can wait its turn.
-    """
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    with contextlib.suppress(OSError):
-        os.nice(10)
 
 
 def _open_pipeline(args: argparse.Namespace, session):
