@@ -74,7 +74,7 @@ def test_store_holds_what_the_workload_published_joined_to_the_right_steps(tmp_p
         "SELECT step_seq, step, token_id, loss, tenant, session FROM token_steps ORDER BY step_seq"
     ).fetchall()
     # count: every published token step, once
-    assert len(steps) == REQUESTS * TOKENS == len(expected)
+    assert len(steps) == REQUESTS * TOKENS == len(expected), agent_output
     assert [row[0] for row in steps] == sorted(expected)
     for step_seq, step, token_id, loss, tenant, session in steps:
         rec, index, token, own_loss, _ = expected[step_seq]
@@ -124,3 +124,57 @@ def test_store_holds_what_the_workload_published_joined_to_the_right_steps(tmp_p
         assert np.isclose(mean_loss, np.mean(rec["losses"][0]), rtol=1e-4)
     assert f"token_steps {REQUESTS * TOKENS:,}" in agent_output
     assert "0 dropped (queue full), 0 failed" in agent_output
+
+
+def test_sigkill_during_ingest_keeps_what_was_committed(tmp_path):
+    """The agent killed with SIGKILL mid-run: the store reopens, and every token step in it is one the
+    workload published, with its loss; the dead agent's snapshot is ignored by `top`."""
+    from llmobs.pipeline.live import read_snapshots, snapshot_path
+    from llmobs.shm.reader import ShmReader
+
+    run_dir = tmp_path / "run"
+    db = tmp_path / "store.duckdb"
+    ready_r, ready_w = os.pipe()
+    workload = subprocess.Popen(
+        [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", "0", "--max-new-tokens", "8",
+         "--threads", "1", "--ready-fd", str(ready_w)],
+        stdout=subprocess.DEVNULL, pass_fds=(ready_w,),
+    )  # fmt: skip
+    os.close(ready_w)
+    os.environ["LLMOBS_RUN_DIR"] = str(run_dir)  # the agent inherits it
+    try:
+        assert _read_json_line(ready_r)["phase"] == "ready"
+        agent = Agent("--pid", str(workload.pid), "--db", str(db))
+        agent.wait_for("attached in")
+        snapshot = snapshot_path(workload.pid, run_dir)
+        first = None
+        # the writer commits at most 1 s after data arrives: wait until the agent has been storing for 3 s
+        for _ in range(600):
+            if snapshot.exists():
+                data = json.loads(snapshot.read_text())
+                first = first or data["updated_ns"]
+                if data["stats"]["tokens"] and data["updated_ns"] - first > 3e9:
+                    break
+            select_timeout(0.05)
+        agent.proc.kill()
+        agent.proc.wait(timeout=30)
+        with ShmReader(workload.pid) as reader:
+            published = {row["step_seq"]: row["loss"] for row in reader.read_steps().rows()}
+        assert read_snapshots(run_dir) == [] and snapshot.exists()  # left behind, but known dead
+    finally:
+        del os.environ["LLMOBS_RUN_DIR"]
+        workload.terminate()
+        workload.wait(timeout=30)
+        os.close(ready_r)
+    conn = duckdb.connect(str(db), read_only=True)
+    stored = conn.execute("SELECT step_seq, loss FROM token_steps").fetchall()
+    assert len(stored) > 0 and len({s for s, _ in stored}) == len(stored)
+    for step_seq, loss in stored:
+        assert step_seq in published and np.isclose(loss, published[step_seq], rtol=1e-6), step_seq
+
+
+def select_timeout(seconds: float) -> None:
+    """The poll period of a bounded wait on a file condition (not a synchronisation by sleeping)."""
+    import select
+
+    select.select([], [], [], seconds)

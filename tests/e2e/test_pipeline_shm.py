@@ -81,3 +81,26 @@ def test_map_to_store_without_bpf(tmp_path, monkeypatch):
     assert np.allclose([s[2] for s in steps], [e[2] for e in expected], rtol=1e-4, atol=1e-5)
     assert process[0][0] == workload.pid and "workload.py" in process[0][1]
     assert process[0][2] == f"/dev/shm/llmobs.{workload.pid}" and fits == 1
+
+
+def test_close_before_any_poll_still_stores_the_maps_steps(tmp_path):
+    """A detach that comes before the first poll (Ctrl-C right after attaching, seen in the bpf e2e
+    test on a loaded machine) must still store every step the map holds."""
+    ready_r, ready_w = os.pipe()
+    workload = subprocess.Popen(
+        [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", "3", "--max-new-tokens", "4",
+         "--threads", "1", "--hold", "--ready-fd", str(ready_w)],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, pass_fds=(ready_w,),
+    )  # fmt: skip
+    os.close(ready_w)
+    try:
+        assert _line(ready_r)["phase"] == "ready"
+        assert _line(ready_r)["phase"] == "done"
+        pipeline = Pipeline(DuckDBStore(tmp_path / "s.duckdb"), workload.pid, owns_store=True, snapshot=False)
+        summary = pipeline.close()
+    finally:
+        workload.stdin.write(b"bye\n")
+        workload.stdin.flush()
+        workload.wait(timeout=30)
+        os.close(ready_r)
+    assert summary.steps_read == 12 and summary.rows_by_table == {"token_steps": 12}

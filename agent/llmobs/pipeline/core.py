@@ -168,23 +168,25 @@ class Pipeline:
         """Hand one drained ring batch (may be empty) and whatever the map has; returns steps read."""
         if events is not None and len(events):
             self._fan_out(events)
-        steps = self.shm.poll()
-        count = 0
-        if steps is not None:
-            count = len(steps["step_seq"])
-            oldest = int(np.min(steps["t_start_ns"]))
-            if self.first_step_ns is None or oldest < self.first_step_ns:
-                self.first_step_ns = oldest
-            with self._since_lock:
-                if self._pending_since is None or oldest < self._pending_since:
-                    self._pending_since = oldest
-            self.live.add_steps(steps)
-            self._fan_out({"token_steps": steps})
+        count = self._add_steps(self.shm.poll())
         if time.monotonic() >= self._next_slow:
             self._next_slow = time.monotonic() + SLOW_PERIOD_S
             self._hand_aggregates()
             self._write_snapshot()
         return count
+
+    def _add_steps(self, steps: dict | None) -> int:
+        if steps is None:
+            return 0
+        oldest = int(np.min(steps["t_start_ns"]))
+        if self.first_step_ns is None or oldest < self.first_step_ns:
+            self.first_step_ns = oldest
+        with self._since_lock:
+            if self._pending_since is None or oldest < self._pending_since:
+                self._pending_since = oldest
+        self.live.add_steps(steps)
+        self._fan_out({"token_steps": steps})
+        return len(steps["step_seq"])
 
     def _hand_aggregates(self, table: pa.Table | None = None) -> None:
         if table is None and self.bpf is not None:
@@ -261,9 +263,9 @@ class Pipeline:
         self._closed = True
         if events is not None and len(events):
             self._fan_out(events)
-        # the map's last steps: the reader's fd outlives the unlink of an exited process's map
-        while self.shm.reader is not None and self.poll():
-            pass
+        # The map's last steps (the reader's fd outlives the unlink of an exited process's map), looked
+        # for even if no poll ran yet: a Ctrl-C right after attaching must not lose what the map holds.
+        self._add_steps(self.shm.drain())
         if self.bpf is not None and final is not None:
             self._hand_aggregates(self.bpf._deltas(final.get("totals", {})))
         self._stop.set()
@@ -309,7 +311,7 @@ class Pipeline:
             steps_read=shm["steps"],
             steps_lost=shm["lost"],
             steps_corrupt=shm["corrupt"],
-            map_error=self.shm.error,
+            map_error=self.shm.error or (None if self.shm.reader or self.shm.steps else self.shm.waiting),
             submitted_rows=counters.submitted_rows,
             committed_rows=counters.committed_rows,
             dropped_rows=counters.dropped_rows,

@@ -38,6 +38,7 @@ class ShmSource:
         self.lost = 0  # overwritten in the ring before we read them
         self.corrupt = 0
         self.error: str | None = None  # why the map could not be read (None: fine or not there yet)
+        self.waiting: str | None = None  # why the last look found no map
         self.model_id = ""
         self._next_open = 0.0
         self._gave_up = False
@@ -50,8 +51,9 @@ class ShmSource:
         self._next_open = time.monotonic() + REOPEN_PERIOD_S
         try:
             self.reader = ShmReader(self.pid, shm_dir=self.shm_dir, proc_root=self.proc_root)
-        except NotTracked:
-            return False  # no map (yet)
+        except NotTracked as exc:  # no map (yet): said in the summary if it never appears
+            self.waiting = str(exc)
+            return False
         except MalformedMap as exc:  # a bad map stays bad: say so once, stop trying
             self.error, self._gave_up = str(exc), True
             return False
@@ -60,6 +62,17 @@ class ShmSource:
             return False
         self.error = None
         return True
+
+    def drain(self) -> dict | None:
+        """Everything still unread, looking for the map now whatever the retry period (for close: a
+        detach that comes before the first poll must still store the steps the map holds)."""
+        self._next_open = 0.0
+        parts = []
+        while (columns := self.poll()) is not None:
+            parts.append(columns)
+        if not parts:
+            return None
+        return {k: _concat([p[k] for p in parts]) for k in parts[0]}
 
     @property
     def map_path(self) -> str:
@@ -100,6 +113,10 @@ class ShmSource:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+
+
+def _concat(parts: list) -> list | np.ndarray:
+    return np.concatenate(parts) if isinstance(parts[0], np.ndarray) else [x for p in parts for x in p]
 
 
 _EMPTY_KEYS = np.empty(0, AGG_KEY_DTYPE)
