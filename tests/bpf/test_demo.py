@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -73,17 +74,18 @@ def test_top_once_shows_a_live_attach(tmp_path):
             del os.environ["LLMOBS_RUN_DIR"]
         agent.wait_for("attached in")
         snapshot = tmp_path / "run" / f"attach.{workload.pid}.json"
-        shown = ""
-        for _ in range(100):  # the agent rewrites its snapshot once a second; wait for per-step work in it
-            shown = subprocess.run(
-                [*AGENT, "top", "--once", "--pid", str(workload.pid)], capture_output=True, text=True,
-                env=env, timeout=60,
-            ).stdout  # fmt: skip
+        for _ in range(600):  # the agent rewrites its snapshot once a second; wait for per-step work in it
             if snapshot.exists() and json.loads(snapshot.read_text())["stats"]["work_steps"]:
                 break
+            select.select([], [], [], 0.05)
+        shown = subprocess.run(
+            [*AGENT, "top", "--once", "--pid", str(workload.pid)], capture_output=True, text=True, env=env,
+            timeout=60,
+        ).stdout  # fmt: skip
         line = shown.splitlines()[-1].split()
         assert line[0] == str(workload.pid) and line[-2:] == ["agent", str(agent.pid)], shown
-        assert float(line[4]) > 0 and float(line[10]) > 0, shown  # tokens/s, GEMM calls per step
+        assert line[4] != "-" and float(line[4]) > 0, shown  # tokens/s
+        assert line[10] != "-" and float(line[10]) > 0, (shown, snapshot.read_text())  # GEMM calls per step
         by_db = subprocess.run(
             [*AGENT, "top", "--once", "--db", str(tmp_path / "s.duckdb")], capture_output=True, text=True,
             env=env, timeout=60,
