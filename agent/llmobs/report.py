@@ -20,7 +20,7 @@ from llmobs.pipeline.live import probe_class
 # What a probe's excess over the median step means, in words (by probe class, see probe_class).
 _WHY = {
     "offcpu": "off the CPU (descheduled by other work, or waiting)",
-    "compute": "the matrix multiplies (GEMM) took longer",
+    "compute": "the linear layers / matrix multiplies took longer",
     "alloc": "more or slower memory allocations",
     "free": "more memory frees",
     "fault": "page faults: first touch of new memory",
@@ -157,7 +157,7 @@ def request_table(request: Request) -> list[str]:
          _num(t.page_faults)]
         for t in request.tokens
     ]  # fmt: skip
-    header = ["step", "token", "loss", "entropy", "p(token)", "latency ms", "allocs", "GEMMs", "off-CPU ms",
+    header = ["step", "token", "loss", "entropy", "p(token)", "latency ms", "allocs", "compute", "off-CPU ms",
               "faults"]  # fmt: skip
     return _table(header, rows, left={1})
 
@@ -281,8 +281,8 @@ def build_report(
         ]
     lines += [
         "",
-        "(allocs, GEMMs, faults: exact kernel counts per forward pass; off-CPU: the main thread's time",
-        " descheduled or waiting during the step, from its sched_switch events)",
+        "(allocs, compute (linear/GEMM calls), faults: exact kernel counts per forward pass; off-CPU: the",
+        " main thread's time descheduled or waiting during the step, from its sched_switch events)",
         "",
         *slowest_section(requests),
         "",

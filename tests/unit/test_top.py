@@ -35,9 +35,11 @@ def _columns(pid: int, latencies_ms: list[float], losses: list[float], end_ns: i
 
 def test_live_stats_from_known_steps_and_totals():
     now = 100 * 10**9
-    stats = LiveStats(7)
-    stats.add_steps(_columns(7, [1, 2, 3, 4, 100], [1.0, 2.0, float("nan"), 3.0, 6.0], now))
-    stats.add_aggregates(  # step 1 was in flight when the probes attached: partly seen, left out
+    columns = _columns(7, [1, 2, 3, 4, 100], [1.0, 2.0, float("nan"), 3.0, 6.0], now)
+    # probes finished attaching after step 1 started: its work was only partly seen, left out
+    stats = LiveStats(7, attached_ns=int(columns["t_start_ns"][0]) + 1)
+    stats.add_steps(columns)
+    stats.add_aggregates(
         pa.table(
             {
                 "pid": [7, 7, 7, 7, 7, 8],

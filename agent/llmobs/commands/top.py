@@ -1,7 +1,7 @@
 """`llmobs-agent top`: a live terminal view of attached processes.
 
 Per process: tokens, tokens/s and per-token latency p50/p99 over the last 10 s, mean loss, the work of
-a token step (allocations, launches, GEMM calls, off-CPU ms) and drops. Where the numbers come from:
+a token step (allocations, launches, linear/GEMM calls, off-CPU ms) and drops. Where the numbers come from:
 
 - a process some `attach` is attached to: the snapshot that agent rewrites once a second under
   $LLMOBS_RUN_DIR (default /run/llmobs): exact kernel totals and every drop counter;
@@ -32,7 +32,7 @@ from llmobs.shm import layout
 from llmobs.store import default_db_path
 
 COLUMNS = ("PID", "MODEL", "TENANTS", "TOKENS", "TOK/S", "P50 ms", "P99 ms", "LOSS", "ALLOC/STEP",
-           "LAUNCH/STEP", "GEMM/STEP", "OFFCPU ms/STEP", "DROPS", "SOURCE")  # fmt: skip
+           "LAUNCH/STEP", "COMPUTE/STEP", "OFFCPU ms/STEP", "DROPS", "SOURCE")  # fmt: skip
 _CLEAR = "\x1b[H\x1b[2J"
 
 

@@ -115,8 +115,9 @@ class Pipeline:
         self.sinks = [self.writer, *extra_sinks]
         self.shm = shm or ShmSource(pid)
         self.bpf = BpfSource(session) if session is not None else None
-        self.live = LiveStats(pid)
         self.started_ns = clock.monotonic_ns()
+        # built after the session attached (attach, demo): steps from here on were seen whole
+        self.live = LiveStats(pid, attached_ns=self.started_ns if session is not None else None)
         self.first_step_ns: int | None = None
         self.correlate_runs = 0
         self.correlate_errors = 0

@@ -57,16 +57,18 @@ def probe_class(probe: str) -> str:
 class LiveStats:
     """Rolling numbers for one pid: tokens/s, per-token latency p50/p99, mean loss, work per step."""
 
-    def __init__(self, pid: int):
+    def __init__(self, pid: int, attached_ns: int | None = None):
         self.pid = pid
+        # Probes attach one after another while the process runs: a step that started before the last
+        # one attached was only partly seen, so per-step work counts only steps started after this.
+        self.attached_ns = attached_ns
         self.tokens = 0
         self.model_id = ""
         self.tenants: set[str] = set()
         self.first_start_ns: int | None = None
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=100_000)  # (t_end_ns, latency_ns, loss)
         self._work: dict[int, dict[str, float]] = {}  # step_seq -> class -> count (offcpu: ns)
-        # The step in flight when the probes attached was only partly seen: left out of the averages.
-        self._partial_step: int | None = None
+        self._starts: dict[int, int] = {}  # step_seq -> t_start_ns of recent steps (for attached_ns)
 
     def add_steps(self, columns: dict) -> None:
         n = len(columns["step_seq"])
@@ -76,6 +78,11 @@ class LiveStats:
         starts = np.asarray(columns["t_start_ns"])
         if self.first_start_ns is None:
             self.first_start_ns = int(starts.min())
+        if self.attached_ns is not None:
+            self._starts.update(zip(np.asarray(columns["step_seq"]).tolist(), starts.tolist(), strict=True))
+            if len(self._starts) > 4 * WORK_STEPS:
+                for step in sorted(self._starts)[: len(self._starts) - 2 * WORK_STEPS]:
+                    del self._starts[step]
         self._steps.extend(
             zip(
                 np.asarray(columns["t_end_ns"]).tolist(),
@@ -90,11 +97,8 @@ class LiveStats:
 
     def add_aggregates(self, table: pa.Table) -> None:
         """probe_aggregates deltas (pid, step_seq, probe, count, sum_value, sum_duration_ns)."""
-        rows = [r for r in table.to_pylist() if r["pid"] == self.pid and r["step_seq"]]
-        if rows and self._partial_step is None:
-            self._partial_step = min(r["step_seq"] for r in rows)
-        for row in rows:
-            if row["step_seq"] == self._partial_step:
+        for row in table.to_pylist():
+            if row["pid"] != self.pid or not row["step_seq"]:
                 continue
             cls = probe_class(row["probe"])
             slot = self._work.setdefault(row["step_seq"], {})
@@ -105,6 +109,12 @@ class LiveStats:
         if len(self._work) > 2 * WORK_STEPS:
             for step in sorted(self._work)[: len(self._work) - WORK_STEPS]:
                 del self._work[step]
+
+    def _fully_seen(self, step_seq: int) -> bool:
+        if self.attached_ns is None:
+            return True
+        start = self._starts.get(step_seq)
+        return start is not None and start >= self.attached_ns
 
     def row(self, now_ns: int | None = None) -> dict:
         """The numbers of one `top` line (None where unknown)."""
@@ -118,7 +128,7 @@ class LiveStats:
         latencies = np.array([s[1] for s in shown], dtype=np.float64)
         losses = np.array([s[2] for s in shown], dtype=np.float64)
         losses = losses[~np.isnan(losses)]
-        steps = sorted(self._work)[-WORK_STEPS:]
+        steps = sorted(s for s in self._work if self._fully_seen(s))[-WORK_STEPS:]
         per_step = {}
         if steps:
             for cls in WORK_CLASSES:  # only classes some probe counted: no `mem` profile -> "-", not 0
