@@ -56,6 +56,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="store events, exact totals and the map's token steps in the DuckDB store at PATH "
         "(default: $LLMOBS_DB or /var/lib/llmobs/llmobs.duckdb)",
     )
+    parser.add_argument(
+        "--otlp",
+        metavar="ENDPOINT",
+        help="also export the store over OTLP while attached (implies --db), e.g. http://127.0.0.1:4317; "
+        "OTEL_EXPORTER_OTLP_* variables configure the rest (see `llmobs-agent otlp`)",
+    )
+    parser.add_argument(
+        "--otlp-protocol", choices=("grpc", "http/protobuf"), help="OTLP protocol (default grpc, or env)"
+    )
     parser.add_argument("--ebpf", action="store_true", help="print the BPF C that would be loaded, and exit")
     parser.add_argument(
         "--ioctl-paths",
@@ -124,12 +133,17 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         stop["reason"] = signal.Signals(signum).name
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    writer = pipeline = None
+    writer = pipeline = exporter = None
+    otlp = _otlp_config(args)  # validated before attaching: a bad endpoint fails fast, with no probe left
     try:
         session.start()
         report.attached(session)
-        if args.db is not None:
+        if args.db is not None or otlp is not None:
             pipeline = _open_pipeline(args, session)
+        if otlp is not None:
+            from llmobs.otlp import start_exporter
+
+            exporter = start_exporter(pipeline.store, otlp)
         if args.out:
             writer = ParquetEventWriter(companion_paths(args.out)[0], args.sample)
         status = report.StatusLine(session, args.status_interval)
@@ -156,7 +170,7 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
             session.stats.user_drops += writer.dropped
             final["counters"]["user_drops"] = session.stats.user_drops
         if pipeline:
-            stored = pipeline.close(events, final)
+            stored = pipeline.close(events, final, before_store_close=exporter.finish if exporter else None)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     status.finish()
@@ -164,6 +178,14 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
     report.print_summary(summary, sys.stderr)
     if pipeline:
         stored.print(sys.stderr)
+    if exporter:
+        c = exporter.counters
+        print(
+            f"otlp {otlp.resolved_endpoint()} ({otlp.protocol}): {c.spans_sent:,} spans sent, "
+            f"{c.attempts_failed} failed attempts, {c.spans_dropped} dropped, metrics sent {c.metrics_sent}"
+            + (f"; last error: {c.last_error}" if c.last_error else ""),
+            file=sys.stderr,
+        )
     if args.out:
         _events_path, aggregates_path, summary_path = companion_paths(args.out)
         import pyarrow.parquet as pq
@@ -171,6 +193,18 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         pq.write_table(aggregates_table(final["totals"]), aggregates_path)
         write_summary(summary_path, summary)
     return 0
+
+
+def _otlp_config(args: argparse.Namespace):
+    """The OTLP settings when --otlp is given (flags > OTEL_EXPORTER_OTLP_* > defaults), else None."""
+    if not args.otlp:
+        return None
+    from llmobs.otlp import resolve
+
+    config = resolve({"endpoint": args.otlp, "protocol": args.otlp_protocol})
+    if config.protocol == "grpc":
+        config.grpc_target()  # raises the one-line config error now, not from the export thread
+    return config
 
 
 def _open_pipeline(args: argparse.Namespace, session):

@@ -28,6 +28,7 @@ TENANTS = "acme,globex"
 WORKLOAD = Path(__file__).resolve().parents[3] / "scripts" / "workload.py"
 DRAIN_PERIOD_S = 0.02
 READY_TIMEOUT_S = 300.0  # loading SmolLM2 on a busy 2-core VM has taken over a minute
+OTLP_GIVE_UP_S = 15.0  # the demo ends rather than wait long on an unreachable collector
 
 
 class DemoFailed(LlmobsError):
@@ -48,6 +49,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="llmobs-demo", metavar="DIR", help="output folder (./llmobs-demo)")
     parser.add_argument("--profile", default="cpu,mem,host", help="probe profiles (default cpu,mem,host)")
+    parser.add_argument(
+        "--otlp",
+        metavar="ENDPOINT",
+        help="export the run over OTLP at the end (also when OTEL_EXPORTER_OTLP_ENDPOINT is set)",
+    )
     # 1 by default: on a shared 2-core box OpenMP threads spin at barriers while a sibling is preempted
     # (measured here: 0.5-3.3 tokens/s with torch's default 2 threads, run to run), 1 thread is steady
     parser.add_argument("--threads", type=int, default=1, help="the workload's torch threads (default 1)")
@@ -266,6 +272,7 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
         "total": total,
     }
     text, files = _outputs(store, out, decode, args, run_info, progress)
+    text += _export_otlp(store, args, progress)
     store.shutdown()
     progress(f"done in {progress.elapsed:.1f} s", final=True)
     sys.stdout.write(text)
@@ -275,6 +282,29 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
         "\n      open the trace at https://ui.perfetto.dev\n"
     )
     return 0
+
+
+def _export_otlp(store, args, progress) -> str:
+    """Send the run to an OTLP endpoint when one is configured (--otlp or OTEL_EXPORTER_OTLP_*)."""
+    env_endpoint = any(
+        os.environ.get(name, "").strip()
+        for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+    if not args.otlp and not env_endpoint:
+        return ""
+    from llmobs.otlp import ExportFailed, OtlpExporter, resolve
+
+    config = resolve({"endpoint": args.otlp})
+    progress(f"exporting over OTLP to {config.resolved_endpoint()} ({config.protocol})")
+    exporter = OtlpExporter(store.connection.cursor(), config)
+    try:
+        counters = exporter.run(follow=False, give_up_after_s=OTLP_GIVE_UP_S)
+        outcome = f"{counters.spans_sent:,} spans sent, metrics sent {counters.metrics_sent}"
+    except ExportFailed as exc:  # the store keeps the rows: `llmobs-agent otlp` can send them later
+        outcome = f"not delivered ({exc}); the store keeps them for `llmobs-agent otlp --db ...`"
+    finally:
+        exporter.shutdown(timeout=0)
+    return f"\nOTLP: {config.resolved_endpoint()} ({config.protocol}): {outcome}\n"
 
 
 def _outputs(store, out: Path, decode, args, run_info: dict, progress):

@@ -262,6 +262,30 @@ class OtlpExporter:
         self.transport.close()
         return self.counters
 
+    def finish(self, timeout: float = 10.0) -> ExportCounters:
+        """Stop following, export what is still pending within `timeout`, send metrics, close.
+
+        `attach --otlp` calls this at detach, after the pipeline's last commit and correlate and before
+        the store closes, so the last token steps and the finished requests' spans leave too. Rows it
+        cannot deliver in time stay unexported behind the cursor (a later `llmobs-agent otlp` sends them).
+        """
+        self.stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():  # stuck in a send: never run two loops over one cursor
+                self.transport.close()
+                return self.counters
+        self.stop.clear()
+        try:
+            self.export_pending(follow=False, give_up_at_ns=clock.monotonic_ns() + int(timeout * 1e9))
+            self.maybe_send_metrics(force=True)
+        except (ExportFailed, duckdb.Error) as exc:
+            self.counters.last_error = str(exc).splitlines()[0]
+        finally:
+            self.stop.set()
+            self.transport.close()
+        return self.counters
+
     def status(self) -> dict:
         return {
             **self.counters.as_dict(),

@@ -15,6 +15,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -257,8 +258,16 @@ class Pipeline:
             conn.close()
 
     # ---- stop -------------------------------------------------------------------------------------
-    def close(self, events: np.ndarray | None = None, final: dict | None = None) -> PipelineSummary:
-        """Hand the last batches (the session's final drain and totals), commit all, correlate once."""
+    def close(
+        self,
+        events: np.ndarray | None = None,
+        final: dict | None = None,
+        before_store_close: Callable[[], None] | None = None,
+    ) -> PipelineSummary:
+        """Hand the last batches (the session's final drain and totals), commit all, correlate once.
+
+        `before_store_close` runs after the last commit and correlate, while the store is still open
+        (`attach --otlp` flushes its exporter there)."""
         if self._closed:
             raise RuntimeError("pipeline closed twice")
         self._closed = True
@@ -293,6 +302,11 @@ class Pipeline:
             self.store.upsert_process(self.pid, self._process["start_ns"], **columns)
         except Exception as exc:
             summary.store_error = summary.store_error or str(exc)
+        if before_store_close is not None:
+            try:
+                before_store_close()
+            except Exception as exc:
+                summary.store_error = summary.store_error or f"before close: {exc}"
         self.shm.close()
         if self._snapshot is not None:
             remove_snapshot(self._snapshot)

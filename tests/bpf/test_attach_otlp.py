@@ -1,0 +1,69 @@
+"""`attach --otlp`: a real workload, the real agent and a real collector (rotel on 127.0.0.1).
+
+Every token step the workload published leaves as a `gen_ai.token_step` span under its request's span,
+with its tenant, and the spans carry the sampled probe events of their forward pass; the export of the
+last steps happens at detach, before the store closes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+from test_attach import Agent, _assert_clean
+from test_attach_workload import _read_json_line
+from test_probes_target import leftovers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from rotel_harness import Rotel  # noqa: E402
+
+WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
+REQUESTS, TOKENS = 4, 6
+
+
+def test_attach_otlp_exports_every_published_step_under_its_request(tmp_path):
+    before = leftovers()
+    ready_r, ready_w = os.pipe()
+    with Rotel(tmp_path / "rotel") as collector:
+        workload = subprocess.Popen(
+            [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", str(REQUESTS),
+             "--max-new-tokens", str(TOKENS), "--threads", "1", "--tenant", "acme,globex",
+             "--wait-stdin", "--hold", "--ready-fd", str(ready_w)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,),
+        )  # fmt: skip
+        os.close(ready_w)
+        try:
+            assert _read_json_line(ready_r)["phase"] == "ready"
+            agent = Agent(
+                "--pid", str(workload.pid), "--profile", "cpu,host",
+                "--db", str(tmp_path / "store.duckdb"), "--otlp", collector.grpc_endpoint,
+            )  # fmt: skip
+            agent.wait_for("attached in")
+            workload.stdin.write(b"go\n")
+            workload.stdin.flush()
+            assert _read_json_line(ready_r)["phase"] == "done"
+            agent.proc.send_signal(signal.SIGINT)
+            code, text = agent.finish()
+            assert code == 0, text
+            _assert_clean(agent.pid, workload.pid, before)
+        finally:
+            workload.stdin.write(b"bye\n")
+            workload.stdin.flush()
+            workload.wait(timeout=30)
+            os.close(ready_r)
+        collector.stop()  # SIGTERM: rotel writes out everything it accepted
+        spans = {span.span_id: span for span in collector.spans()}
+
+    assert "otlp http://127.0.0.1" in text and "0 dropped" in text, text
+    steps = [s for s in spans.values() if s.name == "gen_ai.token_step"]
+    requests = {s.span_id: s for s in spans.values() if not s.parent_id}
+    assert len(steps) == REQUESTS * TOKENS, (len(steps), text)
+    assert len(requests) == REQUESTS
+    per_request = Counter(s.parent_id for s in steps)
+    assert set(per_request) == set(requests) and set(per_request.values()) == {TOKENS}
+    assert Counter(s.attributes["llmobs.tenant"] for s in steps) == {"acme": 12, "globex": 12}
+    assert all(s.trace_id == requests[s.parent_id].trace_id for s in steps)
