@@ -53,10 +53,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _remove_maps_of_killed_workloads()
     if not _IN_CI or session.config.option.collectonly:
         return
     if _bpf_not_passed or not _bpf_passed:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _remove_maps_of_killed_workloads() -> None:
+    """Tests SIGKILL workloads on purpose; their /dev/shm maps must not pile up on CI machines."""
+    try:
+        from llmobs.shm.reader import remove_stale_maps
+
+        remove_stale_maps()
+    except (ImportError, OSError):
+        pass
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:

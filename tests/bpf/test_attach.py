@@ -165,6 +165,23 @@ def test_duration_ends_the_attach(tmp_path):
     assert json.loads((tmp_path / "e.summary.json").read_text())["reason"] == "duration reached"
 
 
+def test_attach_removes_maps_left_by_dead_processes(tmp_path):
+    # a pid above any pid_max the kernel allows: no process has it, so its map is stale for sure
+    stale = Path("/dev/shm/llmobs.4194399")
+    stale.write_bytes(b"\0" * 4096)
+    try:
+        with Target() as target:
+            live_map = Path(f"/dev/shm/llmobs.{target.pid}")
+            agent = Agent("--pid", str(target.pid), "--duration", "0.5", "--out", str(tmp_path / "e.parquet"))
+            code, text = agent.finish()
+            assert live_map.exists()  # a live process's map is never touched
+        assert code == 0, text
+        assert not stale.exists()
+        assert "stale map(s) left by dead processes" in text
+    finally:
+        stale.unlink(missing_ok=True)
+
+
 def _one_line_error(args: list[str], code: int, *, user: str | None = None) -> str:
     prefix = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups"] if user else []
     result = subprocess.run([*prefix, *AGENT, *args], capture_output=True, text=True, timeout=60)

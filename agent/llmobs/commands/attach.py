@@ -138,6 +138,7 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
     try:
         session.start()
         report.attached(session)
+        _remove_stale_maps()  # once attached: a refused attach prints its one error line and nothing else
         if args.db is not None or otlp is not None:
             pipeline = _open_pipeline(args, session)
         if otlp is not None:
@@ -193,6 +194,19 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         pq.write_table(aggregates_table(final["totals"]), aggregates_path)
         write_summary(summary_path, summary)
     return 0
+
+
+def _remove_stale_maps() -> None:
+    """Housekeeping: a workload killed with SIGKILL cannot remove its map, and each one holds tmpfs
+    memory (megabytes) until someone does; the agent is that someone."""
+    from llmobs.shm.reader import remove_stale_maps
+
+    try:
+        removed = remove_stale_maps()
+    except OSError:  # no /dev/shm, or not ours to list: nothing to tidy, nothing to report
+        return
+    if removed:
+        print(f"removed {len(removed)} stale map(s) left by dead processes in /dev/shm", file=sys.stderr)
 
 
 def _otlp_config(args: argparse.Namespace):
