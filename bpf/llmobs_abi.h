@@ -4,9 +4,9 @@
 #ifndef LLMOBS_ABI_H
 #define LLMOBS_ABI_H
 
-#define LLMOBS_ABI_VERSION          1                       /* bumped on any incompatible layout change */
+#define LLMOBS_ABI_VERSION          2                       /* bumped on any incompatible layout change */
 #define LLMOBS_MAGIC                0x504d53424f4d4c4cULL   /* the bytes "LLMOBSMP" read as a little-endian u64 */
-#define LLMOBS_LAYOUT_HASH          0xfb9a9c153f570998ULL   /* sha256 of the layout definition, first 8 bytes LE */
+#define LLMOBS_LAYOUT_HASH          0xf3d8802a8f2a97b4ULL   /* sha256 of the layout definition, first 8 bytes LE */
 #define LLMOBS_CLOCK_MONOTONIC      1                       /* header.clock_id */
 #define LLMOBS_CTX_OFFSET           256                     /* byte offset of the current-context cell from the mapping start */
 #define LLMOBS_CONTROL_OFFSET       320                     /* byte offset of the control block */
@@ -21,6 +21,9 @@
 #define LLMOBS_FLAG_GENERATE        2                       /* step record flag */
 #define LLMOBS_FLAG_TEACHER_FORCED  4                       /* step record flag */
 #define LLMOBS_FLAG_DEVICE_CUDA     8                       /* step record flag */
+#define LLMOBS_LAYER_ATTENTION_ENTROPY1                       /* layer record kind */
+#define LLMOBS_LAYER_KIND_MAX       16                      /* layer record kinds are below this */
+#define LLMOBS_HEAD_MEAN            (-1)                    /* layer record head: mean over heads */
 #define LLMOBS_CMD_NONE             0                       /* control command */
 #define LLMOBS_CMD_PING             1                       /* control command: acknowledge only */
 #define LLMOBS_CMD_COLLECT_CUPTI    2                       /* control command: CUPTI for cmd_arg steps */
@@ -63,7 +66,12 @@ struct llmobs_header {
     __u64 steps_dropped;              /* @168 token-step records the writer could not publish (never claimed) */
     __u64 cupti_dropped;              /* @176 CUPTI records the writer could not publish */
     __u64 model_hash;                 /* @184 name hash of the process's default model id (0 = none) */
-    __u64 reserved[8];                /* @192 zero */
+    __u64 layers_offset;              /* @192 v2: offset of the layer-stream ring */
+    __u32 layers_capacity;            /* @200 v2: records in the layer-stream ring (a power of two) */
+    __u32 layer_record_size;          /* @204 v2: sizeof(struct llmobs_layer_record) */
+    __u64 layers_head;                /* @208 v2: positions ever claimed in the layer-stream ring */
+    __u64 layers_dropped;             /* @216 v2: layer records the writer could not publish */
+    __u64 reserved[4];                /* @224 zero */
 };
 _Static_assert(sizeof(struct llmobs_header) == 256, "llmobs_header size");
 _Static_assert(__builtin_offsetof(struct llmobs_header, magic) == 0, "llmobs_header.magic");
@@ -96,7 +104,12 @@ _Static_assert(__builtin_offsetof(struct llmobs_header, names_dropped) == 160, "
 _Static_assert(__builtin_offsetof(struct llmobs_header, steps_dropped) == 168, "llmobs_header.steps_dropped");
 _Static_assert(__builtin_offsetof(struct llmobs_header, cupti_dropped) == 176, "llmobs_header.cupti_dropped");
 _Static_assert(__builtin_offsetof(struct llmobs_header, model_hash) == 184, "llmobs_header.model_hash");
-_Static_assert(__builtin_offsetof(struct llmobs_header, reserved) == 192, "llmobs_header.reserved");
+_Static_assert(__builtin_offsetof(struct llmobs_header, layers_offset) == 192, "llmobs_header.layers_offset");
+_Static_assert(__builtin_offsetof(struct llmobs_header, layers_capacity) == 200, "llmobs_header.layers_capacity");
+_Static_assert(__builtin_offsetof(struct llmobs_header, layer_record_size) == 204, "llmobs_header.layer_record_size");
+_Static_assert(__builtin_offsetof(struct llmobs_header, layers_head) == 208, "llmobs_header.layers_head");
+_Static_assert(__builtin_offsetof(struct llmobs_header, layers_dropped) == 216, "llmobs_header.layers_dropped");
+_Static_assert(__builtin_offsetof(struct llmobs_header, reserved) == 224, "llmobs_header.reserved");
 
 /* The current-context cell: the words the eBPF probes read with bpf_probe_read_user.
  * seq is a seqlock counter: odd while the writer is updating the cell. */
@@ -240,5 +253,33 @@ _Static_assert(__builtin_offsetof(struct llmobs_cupti_record, kind) == 48, "llmo
 _Static_assert(__builtin_offsetof(struct llmobs_cupti_record, device_id) == 52, "llmobs_cupti_record.device_id");
 _Static_assert(__builtin_offsetof(struct llmobs_cupti_record, stream_id) == 56, "llmobs_cupti_record.stream_id");
 _Static_assert(__builtin_offsetof(struct llmobs_cupti_record, reserved) == 60, "llmobs_cupti_record.reserved");
+
+/* A layer-stream record (v2): one per-layer metric of one token step and batch row, sampled by a
+ * policy (attention entropy: off by default). `value` may be copied from the model's device. */
+struct llmobs_layer_record {
+    __u64 seq;                        /* @0   2*pos+1 while written, 2*pos+2 once committed */
+    __u64 step_seq;                   /* @8   the token step (forward pass) the value was measured on */
+    __u64 trace_id_hi;                /* @16  trace id bytes 0..7 (big-endian) of the batch row's request */
+    __u64 trace_id_lo;                /* @24  trace id bytes 8..15 */
+    __s32 batch_row;                  /* @32  row in the batch */
+    __s32 layer;                      /* @36  layer index, 0-based */
+    __s32 head;                       /* @40  head index, -1 = mean over the layer's heads */
+    __u32 kind;                       /* @44  LLMOBS_LAYER_*: the metric */
+    float value;                      /* @48  the metric (attention entropy: nats) */
+    __u32 flags;                      /* @52  LLMOBS_FLAG_DEVICE_CUDA when value was copied from a CUDA device */
+    __u64 reserved;                   /* @56  zero */
+};
+_Static_assert(sizeof(struct llmobs_layer_record) == 64, "llmobs_layer_record size");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, seq) == 0, "llmobs_layer_record.seq");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, step_seq) == 8, "llmobs_layer_record.step_seq");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, trace_id_hi) == 16, "llmobs_layer_record.trace_id_hi");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, trace_id_lo) == 24, "llmobs_layer_record.trace_id_lo");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, batch_row) == 32, "llmobs_layer_record.batch_row");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, layer) == 36, "llmobs_layer_record.layer");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, head) == 40, "llmobs_layer_record.head");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, kind) == 44, "llmobs_layer_record.kind");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, value) == 48, "llmobs_layer_record.value");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, flags) == 52, "llmobs_layer_record.flags");
+_Static_assert(__builtin_offsetof(struct llmobs_layer_record, reserved) == 56, "llmobs_layer_record.reserved");
 
 #endif /* LLMOBS_ABI_H */

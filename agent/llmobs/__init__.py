@@ -11,6 +11,7 @@ _LAZY = {
     "instrument": ("llmobs.publisher_hf", "instrument"),
     "request": ("llmobs.publisher", "request"),
     "context": ("llmobs.publisher", "context"),
+    "AttentionEntropy": ("llmobs.publisher_attention", "AttentionEntropy"),
 }
 
 

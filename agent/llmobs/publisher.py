@@ -111,7 +111,7 @@ class Request:
         last steps are committed (one wait per request, never per step)."""
         with contextlib.suppress(Exception):
             self.writer.clear_context()
-            if self.writer._pending:
+            if self.writer._pending or self.writer._pending_layers:
                 self.writer.poll_pending(wait=True)
 
     # --- steps -------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ Two forward hooks on the model and a wrapper around its `generate`:
 - forward with labels: every target token of the batch is published (HF shift: logits[:, t]
   predicts labels[:, t+1]; label -100 = no target, published with NaN loss).
 - inside `with llmobs.request(...)`: the pre-hook begins the request's step, `req.step` publishes.
+With attention_entropy=AttentionEntropy(every=N) (llmobs.publisher_attention), every N-th forward pass
+also publishes each layer's attention entropy to the map's layer-stream ring; off by default.
 Hooks never raise into the workload: failures are counted (llmobs.publisher.errors).
 """
 
@@ -76,7 +78,11 @@ def _input_ids(args, kwargs):
 class Instrumented:
     """Handle returned by instrument(); .remove() undoes it."""
 
-    def __init__(self, model, model_id: str, labels: bool, measure: bool = False):
+    def __init__(self, model, model_id: str, labels: bool, measure: bool = False, attention_entropy=None):
+        from llmobs.publisher_attention import AttentionSampler, as_policy
+
+        policy = as_policy(attention_entropy)
+        self.attention = AttentionSampler(model, policy) if policy is not None else None
         self.model = model
         self.model_id = model_id
         self.labels = labels
@@ -94,6 +100,8 @@ class Instrumented:
         model._llmobs_instrumented = self
 
     def remove(self) -> None:
+        if self.attention is not None:
+            self.attention.abort()
         for h in self._handles:
             h.remove()
         if self._orig_generate is None:
@@ -163,12 +171,16 @@ class Instrumented:
                 ids = _input_ids(args, kwargs)
                 if gen.pending is not None and ids is not None:
                     gen.finish(ids[:, -1])  # this forward's input is the token the previous step chose
-                gen.req.begin_step(kv_len=_kv_len(kwargs))
+                seq = gen.req.begin_step(kv_len=_kv_len(kwargs))
+                if self.attention is not None:
+                    self.attention.begin(seq, gen.req._hi_list, gen.req._lo_list)
                 return None
             req = publisher.active_request()
             if req is not None:
                 if not req.in_step:
                     req.begin_step(kv_len=_kv_len(kwargs))
+                if self.attention is not None:
+                    self.attention.begin(req._step_seq, req._hi_list, req._lo_list)
                 return None
             if self.labels and kwargs.get("labels") is not None:
                 self._begin_labels(args, kwargs)
@@ -178,6 +190,8 @@ class Instrumented:
 
     def _post(self, module, args, kwargs, output):
         try:
+            if self.attention is not None:
+                self.attention.end(publisher.get_writer())
             gen = _generating.get()
             if gen is not None:  # the target-free passes now, while the logits are hot in cache
                 from llmobs.publisher_math import prepare
@@ -204,6 +218,8 @@ class Instrumented:
         model_h = w.name(layout.NAME_MODEL, self.request_model_id())
         t0 = time.monotonic_ns()
         seq = w.begin_step(words[0][0], words[0][1], tenant_h, session_h)
+        if self.attention is not None:
+            self.attention.begin(seq, [x[0] for x in words], [x[1] for x in words])
         self._labels_state.set((seq, t0, ids, labels, words, tenant_h, session_h, model_h))
 
     def _publish_labels(self, state, logits) -> None:
@@ -232,13 +248,21 @@ class Instrumented:
 
 
 def instrument(
-    model, tokenizer=None, *, model_id: str | None = None, labels: bool = True, measure: bool = False
+    model,
+    tokenizer=None,
+    *,
+    model_id: str | None = None,
+    labels: bool = True,
+    measure: bool = False,
+    attention_entropy=None,
 ) -> Instrumented:
     """Publish every token step of a Hugging Face causal LM (generate() and forward with labels).
 
     model_id defaults to the model's config name_or_path. `tokenizer` is accepted for symmetry with
     the HF API and used only to name the model when the config has no name. measure=True adds up the
-    CPU time the hooks take in `.cpu_ns` (for benchmarks). Idempotent per model."""
+    CPU time the hooks take in `.cpu_ns` (for benchmarks). attention_entropy=llmobs.AttentionEntropy(every=N,
+    per_head=False) or an int N publishes each layer's attention entropy on every N-th forward pass (off
+    by default: nothing is installed). Idempotent per model."""
     existing = model.__dict__.get("_llmobs_instrumented")
     if existing is not None:
         return existing
@@ -250,7 +274,7 @@ def instrument(
     from llmobs.shm.writer import get_writer
 
     get_writer().set_model(model_id)  # the map exists from now on: an agent can attach before any token
-    inst = Instrumented(model, model_id, labels, measure)
+    inst = Instrumented(model, model_id, labels, measure, attention_entropy)
     publish_process_context(model_id=model_id)
     from llmobs.cupti import install as install_cupti
 

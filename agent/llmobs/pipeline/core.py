@@ -171,6 +171,7 @@ class Pipeline:
         if events is not None and len(events):
             self._fan_out(events)
         count = self._add_steps(self.shm.poll())
+        self._add_layers(self.shm.poll_layers())
         if time.monotonic() >= self._next_slow:
             self._next_slow = time.monotonic() + SLOW_PERIOD_S
             self._hand_aggregates()
@@ -189,6 +190,10 @@ class Pipeline:
         self.live.add_steps(steps)
         self._fan_out({"token_steps": steps})
         return len(steps["step_seq"])
+
+    def _add_layers(self, layers: dict | None) -> None:
+        if layers is not None:
+            self._fan_out({"layer_streams": layers})
 
     def _hand_aggregates(self, table: pa.Table | None = None) -> None:
         if table is None and self.bpf is not None:
@@ -276,6 +281,7 @@ class Pipeline:
         # The map's last steps (the reader's fd outlives the unlink of an exited process's map), looked
         # for even if no poll ran yet: a Ctrl-C right after attaching must not lose what the map holds.
         self._add_steps(self.shm.drain())
+        self._add_layers(self.shm.drain_layers())
         if self.bpf is not None and final is not None:
             self._hand_aggregates(self.bpf._deltas(final.get("totals", {})))
         self._stop.set()

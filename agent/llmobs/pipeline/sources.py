@@ -1,7 +1,8 @@
 """Sources of the pipeline: each `poll()` returns one typed batch (or nothing) and never blocks.
 
-ShmSource reads a process's token steps from its shared-memory map from a cursor; BpfSource wraps an
-attach session (ring drain) and turns the exact kernel totals it harvests into probe_aggregates deltas.
+ShmSource reads a process's token steps (and its sampled per-layer metrics) from its shared-memory map
+from cursors; BpfSource wraps an attach session (ring drain) and turns the exact kernel totals it
+harvests into probe_aggregates deltas.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
+from llmobs import clock
 from llmobs.bpf.output import aggregates_table
 from llmobs.bpf.records import AGG_KEY_DTYPE, AGG_VAL_DTYPE
 from llmobs.errors import LlmobsError, MalformedMap, NotTracked
@@ -34,6 +36,8 @@ class ShmSource:
         self.proc_root = proc_root
         self.reader: ShmReader | None = None
         self.cursor = 0
+        self.layers_cursor = 0
+        self.layer_rows = 0  # layer-stream records returned
         self.steps = 0  # token steps returned
         self.lost = 0  # overwritten in the ring before we read them
         self.corrupt = 0
@@ -87,7 +91,7 @@ class ShmSource:
         except MalformedMap as exc:  # the writer restarted (head behind our cursor) or the map broke
             self.error = str(exc)
             self.reader.close()
-            self.reader, self.cursor = None, 0
+            self.reader, self.cursor, self.layers_cursor = None, 0, 0
             return None
         self.cursor = batch.next_cursor
         self.lost += batch.lost
@@ -98,6 +102,35 @@ class ShmSource:
         if not self.model_id and batch.columns["model_id"]:
             self.model_id = batch.columns["model_id"][-1]
         return batch.columns
+
+    def poll_layers(self, refresh: bool = False) -> dict | None:
+        """Layer-stream records (LAYER_COLUMNS + ts_ns, the read time) published since the last call;
+        call after poll(), whose header refresh it reuses by default."""
+        if self.reader is None:
+            return None
+        try:
+            batch = self.reader.read_layers(self.layers_cursor, refresh=refresh)
+        except MalformedMap as exc:
+            self.error = str(exc)
+            return None
+        self.layers_cursor = batch.next_cursor
+        self.lost += batch.lost
+        self.corrupt += batch.corrupt
+        if not len(batch):
+            return None
+        self.layer_rows += len(batch)
+        columns = dict(batch.columns)
+        columns["ts_ns"] = np.full(len(batch), clock.monotonic_ns(), np.int64)
+        return columns
+
+    def drain_layers(self) -> dict | None:
+        """Every layer record still unread (for close)."""
+        parts = []
+        while (columns := self.poll_layers(refresh=True)) is not None:
+            parts.append(columns)
+        if not parts:
+            return None
+        return {k: _concat([p[k] for p in parts]) for k in parts[0]}
 
     def counters(self) -> dict[str, int]:
         """The map's own drop counters (the workload's side) next to ours."""

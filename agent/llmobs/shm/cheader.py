@@ -52,7 +52,7 @@ def render() -> str:
         "",
     ]
     for name, value, comment in layout.C_CONSTANTS:
-        literal = f"0x{value:016x}ULL" if value > 0xFFFFFFFF else str(value)
+        literal = f"0x{value:016x}ULL" if value > 0xFFFFFFFF else str(value) if value >= 0 else f"({value})"
         out.append(f"#define {name:<28}{literal:<24}/* {comment} */")
     out.append("")
     for s in layout.STRUCTS:

@@ -1,4 +1,4 @@
-"""The one definition of the shared-memory map layout (ABI v1): structs, offsets and constants.
+"""The one definition of the shared-memory map layout (ABI v2): structs, offsets and constants.
 
 Everything else is generated from this module: the numpy dtypes the writer and reader use, and the C
 header bpf/llmobs_abi.h (llmobs.shm.cheader). Change a field here, bump ABI_VERSION, regenerate.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # v2: the layer-stream ring (per-layer metrics such as attention entropy)
 MAGIC = int.from_bytes(b"LLMOBSMP", "little")  # the first 8 bytes of every map file read "LLMOBSMP"
 CLOCK_MONOTONIC = 1  # clock id of every *_ns field (Linux CLOCK_MONOTONIC == bpf_ktime_get_ns())
 FILE_PREFIX = "llmobs."  # the map of pid N is /dev/shm/llmobs.N
@@ -36,6 +36,11 @@ FLAG_HAS_TARGET = 1 << 0  # target_id, loss, target_prob and target_rank are mea
 FLAG_GENERATE = 1 << 1  # decoded by generate(): the target is the token that was chosen
 FLAG_TEACHER_FORCED = 1 << 2  # a forward pass with labels: the target is the label
 FLAG_DEVICE_CUDA = 1 << 3  # the metrics were computed on a CUDA device and copied asynchronously
+
+# layer-stream record kinds (the metric a record carries); values below LAYER_KIND_MAX are accepted
+LAYER_ATTENTION_ENTROPY = 1  # Shannon entropy (nats) of the newest query's attention probabilities
+LAYER_KIND_MAX = 16  # room for later kinds (e.g. 2 = MLP activation variance) without an ABI bump
+HEAD_MEAN = -1  # layer record head: the value is the mean over the layer's heads
 
 # control block commands (agent -> workload) and acknowledgement statuses (workload -> agent)
 CMD_NONE = 0
@@ -134,7 +139,12 @@ HEADER = Struct(
         Field("steps_dropped", "u64", "token-step records the writer could not publish (never claimed)"),
         Field("cupti_dropped", "u64", "CUPTI records the writer could not publish"),
         Field("model_hash", "u64", "name hash of the process's default model id (0 = none)"),
-        Field("reserved", "u64", "zero", count=8),
+        Field("layers_offset", "u64", "v2: offset of the layer-stream ring"),
+        Field("layers_capacity", "u32", "v2: records in the layer-stream ring (a power of two)"),
+        Field("layer_record_size", "u32", "v2: sizeof(struct llmobs_layer_record)"),
+        Field("layers_head", "u64", "v2: positions ever claimed in the layer-stream ring"),
+        Field("layers_dropped", "u64", "v2: layer records the writer could not publish"),
+        Field("reserved", "u64", "zero", count=4),
     ],
     256,
 )
@@ -239,7 +249,27 @@ CUPTI_RECORD = Struct(
     64,
 )
 
-STRUCTS = [HEADER, CTX_CELL, CONTROL, NAME_RECORD, STEP_RECORD, CUPTI_RECORD]
+LAYER_RECORD = Struct(
+    "llmobs_layer_record",
+    "A layer-stream record (v2): one per-layer metric of one token step and batch row, sampled by a\n"
+    "policy (attention entropy: off by default). `value` may be copied from the model's device.",
+    [
+        Field("seq", "u64", "2*pos+1 while written, 2*pos+2 once committed"),
+        Field("step_seq", "u64", "the token step (forward pass) the value was measured on"),
+        Field("trace_id_hi", "u64", "trace id bytes 0..7 (big-endian) of the batch row's request"),
+        Field("trace_id_lo", "u64", "trace id bytes 8..15"),
+        Field("batch_row", "i32", "row in the batch"),
+        Field("layer", "i32", "layer index, 0-based"),
+        Field("head", "i32", "head index, -1 = mean over the layer's heads"),
+        Field("kind", "u32", "LLMOBS_LAYER_*: the metric"),
+        Field("value", "f32", "the metric (attention entropy: nats)"),
+        Field("flags", "u32", "LLMOBS_FLAG_DEVICE_CUDA when value was copied from a CUDA device"),
+        Field("reserved", "u64", "zero"),
+    ],
+    64,
+)
+
+STRUCTS = [HEADER, CTX_CELL, CONTROL, NAME_RECORD, STEP_RECORD, CUPTI_RECORD, LAYER_RECORD]
 
 CTX_OFFSET = 256
 CONTROL_OFFSET = CTX_OFFSET + CTX_CELL.size
@@ -250,6 +280,7 @@ DEVICE_BLOCK_WORDS = 7
 DEFAULT_NAMES_CAPACITY = 1024
 DEFAULT_STEPS_CAPACITY = 32768
 DEFAULT_CUPTI_CAPACITY = 4096
+DEFAULT_LAYERS_CAPACITY = 4096
 
 
 @dataclass(frozen=True)
@@ -259,16 +290,18 @@ class Regions:
     names_offset: int
     steps_offset: int
     cupti_offset: int
+    layers_offset: int
     layout_size: int
 
 
-def regions(names_capacity: int, steps_capacity: int, cupti_capacity: int) -> Regions:
+def regions(names_capacity: int, steps_capacity: int, cupti_capacity: int, layers_capacity: int) -> Regions:
     names_offset = NAMES_OFFSET
     steps_offset = names_offset + names_capacity * NAME_RECORD.size
     cupti_offset = steps_offset + steps_capacity * STEP_RECORD.size
-    end = cupti_offset + cupti_capacity * CUPTI_RECORD.size
+    layers_offset = cupti_offset + cupti_capacity * CUPTI_RECORD.size
+    end = layers_offset + layers_capacity * LAYER_RECORD.size
     page = 4096
-    return Regions(names_offset, steps_offset, cupti_offset, (end + page - 1) // page * page)
+    return Regions(names_offset, steps_offset, cupti_offset, layers_offset, (end + page - 1) // page * page)
 
 
 def is_valid_capacity(n: int) -> bool:
@@ -306,6 +339,9 @@ C_CONSTANTS: list[tuple[str, int, str]] = [
     ("LLMOBS_FLAG_GENERATE", FLAG_GENERATE, "step record flag"),
     ("LLMOBS_FLAG_TEACHER_FORCED", FLAG_TEACHER_FORCED, "step record flag"),
     ("LLMOBS_FLAG_DEVICE_CUDA", FLAG_DEVICE_CUDA, "step record flag"),
+    ("LLMOBS_LAYER_ATTENTION_ENTROPY", LAYER_ATTENTION_ENTROPY, "layer record kind"),
+    ("LLMOBS_LAYER_KIND_MAX", LAYER_KIND_MAX, "layer record kinds are below this"),
+    ("LLMOBS_HEAD_MEAN", HEAD_MEAN, "layer record head: mean over heads"),
     ("LLMOBS_CMD_NONE", CMD_NONE, "control command"),
     ("LLMOBS_CMD_PING", CMD_PING, "control command: acknowledge only"),
     ("LLMOBS_CMD_COLLECT_CUPTI", CMD_COLLECT_CUPTI, "control command: CUPTI for cmd_arg steps"),

@@ -29,6 +29,7 @@ _HEADER_STRUCT = struct.Struct(
 )
 assert _HEADER_STRUCT.size == layout.HEADER.offsets["reserved"]
 _HEADS = slice(layout.HEADER.offsets["names_head"], layout.HEADER.offsets["cupti_head"] + 8)
+_LAYERS_HEAD = slice(layout.HEADER.offsets["layers_head"], layout.HEADER.offsets["layers_head"] + 8)
 _TICKS_AT = layout.HEADER.offsets["writer_start_ticks"]
 MAX_HEAD = 1 << 62  # a head beyond this cannot come from a real writer (and 2*pos+2 would overflow)
 _KNOWN_FLAGS = (
@@ -39,6 +40,8 @@ STEP_COLUMNS = [
     "target_prob", "target_rank", "top1_prob", "latency_ns", "t_start_ns", "t_end_ns", "batch_row",
     "tenant", "session", "model_id", "kv_len",
 ]  # fmt: skip
+LAYER_COLUMNS = ["pid", "step_seq", "trace_id", "batch_row", "layer", "head", "kind", "value"]
+MAX_LAYER = 1 << 16  # no model has more layers or heads; a larger index is a corrupt record
 
 
 class BufferSource:
@@ -99,20 +102,24 @@ def validate_header(raw: bytes, file_size: int) -> dict:
         ("name_record_size", layout.NAME_RECORD.size),
         ("step_record_size", layout.STEP_RECORD.size),
         ("cupti_record_size", layout.CUPTI_RECORD.size),
+        ("layer_record_size", layout.LAYER_RECORD.size),
     )
     for name, expected in sizes:
         if h[name] != expected:
             raise MalformedMap(f"header {name} is {h[name]}, expected {expected}")
-    for name in ("names_capacity", "steps_capacity", "cupti_capacity"):
+    for name in ("names_capacity", "steps_capacity", "cupti_capacity", "layers_capacity"):
         if not layout.is_valid_capacity(h[name]):
             raise MalformedMap(f"header {name} {h[name]} is not a power of two in 1..{layout.MAX_CAPACITY}")
-    regions = layout.regions(h["names_capacity"], h["steps_capacity"], h["cupti_capacity"])
+    regions = layout.regions(
+        h["names_capacity"], h["steps_capacity"], h["cupti_capacity"], h["layers_capacity"]
+    )
     expected_offsets = {
         "ctx_offset": layout.CTX_OFFSET,
         "control_offset": layout.CONTROL_OFFSET,
         "names_offset": regions.names_offset,
         "steps_offset": regions.steps_offset,
         "cupti_offset": regions.cupti_offset,
+        "layers_offset": regions.layers_offset,
         "layout_size": regions.layout_size,
     }
     for name, expected in expected_offsets.items():
@@ -124,7 +131,7 @@ def validate_header(raw: bytes, file_size: int) -> dict:
         raise MalformedMap(f"unknown clock id {h['clock_id']} (expected 1 = CLOCK_MONOTONIC)")
     if h["state"] not in (layout.STATE_LIVE, layout.STATE_CLOSED):
         raise MalformedMap(f"unknown map state {h['state']}")
-    for name in ("names_head", "steps_head", "cupti_head"):
+    for name in ("names_head", "steps_head", "cupti_head", "layers_head"):
         if h[name] >= MAX_HEAD:
             raise MalformedMap(f"header {name} {h[name]} is impossibly large")
     return h
@@ -166,6 +173,19 @@ class StepBatch:
         ]
 
 
+@dataclass
+class LayerBatch:
+    """Decoded layer-stream records (LAYER_COLUMNS), plus loss accounting."""
+
+    columns: dict[str, list | np.ndarray]
+    lost: int
+    corrupt: int
+    next_cursor: int
+
+    def __len__(self) -> int:
+        return len(self.columns["step_seq"])
+
+
 class MapView:
     """A validated map, read through a source (a file or a buffer). The same code serves both."""
 
@@ -184,7 +204,7 @@ class MapView:
         raw = self.source.read(0, layout.HEADER.size)
         for _ in range(8):
             again = self.source.read(0, layout.HEADER.size)
-            if again[_HEADS] == raw[_HEADS]:
+            if again[_HEADS] == raw[_HEADS] and again[_LAYERS_HEAD] == raw[_LAYERS_HEAD]:
                 break
             raw = again
         self.header = validate_header(raw, self.source.size)
@@ -352,6 +372,43 @@ class MapView:
             "model_id": names["model_id"],
             "kv_len": recs["kv_len"].astype(np.int32),
         }
+
+    def read_layers(self, cursor: int = 0, limit: int | None = None, refresh: bool = True) -> LayerBatch:
+        """Layer-stream records (v2) from position `cursor` on, validated like the token steps."""
+        if refresh:
+            self.refresh()
+        h = self.header
+        got = self._read_ring(layout.LAYER_RECORD, h["layers_offset"], h["layers_capacity"], h["layers_head"],
+                              cursor, limit)  # fmt: skip
+        recs = got.records
+        ok = (
+            (recs["step_seq"] >= 1)
+            & (recs["step_seq"] < np.uint64(1 << 63))
+            & (recs["batch_row"] >= 0)
+            & (recs["layer"] >= 0)
+            & (recs["layer"] < MAX_LAYER)
+            & (recs["head"] >= layout.HEAD_MEAN)
+            & (recs["head"] < MAX_LAYER)
+            & (recs["kind"] >= 1)
+            & (recs["kind"] < layout.LAYER_KIND_MAX)
+            & ((recs["flags"] & ~np.uint32(layout.FLAG_DEVICE_CUDA)) == 0)
+        )
+        recs = recs[ok]
+        n = len(recs)
+        words = np.empty((n, 2), ">u8")
+        words[:, 0], words[:, 1] = recs["trace_id_hi"], recs["trace_id_lo"]
+        hexes = words.tobytes().hex()
+        columns = {
+            "pid": np.full(n, h["writer_pid"], np.int64),
+            "step_seq": recs["step_seq"].astype(np.int64),
+            "trace_id": [hexes[32 * i : 32 * i + 32] for i in range(n)],
+            "batch_row": recs["batch_row"].astype(np.int32),
+            "layer": recs["layer"].astype(np.int32),
+            "head": recs["head"].astype(np.int32),
+            "kind": recs["kind"].astype(np.int32),
+            "value": recs["value"].astype(np.float32),
+        }
+        return LayerBatch(columns, got.lost, got.corrupt + int((~ok).sum()), got.next_cursor)
 
     def read_cupti(self, cursor: int = 0) -> RingRead:
         h = self.header

@@ -31,6 +31,7 @@ _NAME_HEAD = struct.Struct("<QII")  # hash, kind, length at name record offset 8
 _CONTROL_CMD = struct.Struct("<QIIQ")  # cmd_seq, cmd, cmd_flags, cmd_arg
 _CONTROL_ACK = struct.Struct("<IIQQ")  # ack_status, ack_pid, ack_step_seq, done_step_seq at +32
 _CUPTI_BODY = struct.Struct("<QQQQQIII")  # step_seq .. stream_id at CUPTI record offset 8
+_LAYER_VALUE_WORD = layout.LAYER_RECORD.offsets["value"] // 4  # float32 index of `value` in a record
 
 _H = layout.HEADER.offsets
 _C = layout.CONTROL.offsets
@@ -74,14 +75,15 @@ class ShmWriter:
         names_capacity: int = layout.DEFAULT_NAMES_CAPACITY,
         steps_capacity: int = layout.DEFAULT_STEPS_CAPACITY,
         cupti_capacity: int = layout.DEFAULT_CUPTI_CAPACITY,
+        layers_capacity: int = layout.DEFAULT_LAYERS_CAPACITY,
         model_id: str | None = None,
     ):
-        for cap in (names_capacity, steps_capacity, cupti_capacity):
+        for cap in (names_capacity, steps_capacity, cupti_capacity, layers_capacity):
             if not layout.is_valid_capacity(cap):
                 raise ValueError(f"ring capacity {cap} must be a power of two in 1..{layout.MAX_CAPACITY}")
         self.pid = os.getpid()
         self.path = map_path(self.pid, shm_dir)
-        regions = layout.regions(names_capacity, steps_capacity, cupti_capacity)
+        regions = layout.regions(names_capacity, steps_capacity, cupti_capacity, layers_capacity)
         self.size = regions.layout_size
         # A file with our pid can only be a stale one from a dead process whose pid we now reuse.
         with contextlib.suppress(FileNotFoundError):
@@ -104,6 +106,8 @@ class ShmWriter:
         self.names_offset = regions.names_offset
         self.steps_offset = regions.steps_offset
         self.cupti_offset = regions.cupti_offset
+        self.layers_offset = regions.layers_offset
+        self.layers_capacity = layers_capacity
         self.names_capacity = names_capacity
         self.steps_capacity = steps_capacity
         self.cupti_capacity = cupti_capacity
@@ -116,6 +120,13 @@ class ShmWriter:
         self.steps_head = 0
         self.names_head = 0
         self.cupti_head = 0
+        self.layers_head = 0
+        self.layers_dropped = 0
+        self.layers = np.ndarray(
+            (layers_capacity,), layout.LAYER_RECORD.dtype, buffer=self.mm, offset=self.layers_offset
+        )
+        self._layer_values = None
+        self._pending_layers: collections.deque = collections.deque()  # CUDA layer records awaiting copies
         self.steps_dropped = 0
         self._names: dict[int, int] = {}  # hash -> position it was last published at
         self._pending: collections.deque = collections.deque()  # CUDA steps awaiting their copy
@@ -154,6 +165,9 @@ class ShmWriter:
         hdr["cupti_offset"] = regions.cupti_offset
         hdr["cupti_capacity"] = self.cupti_capacity
         hdr["cupti_record_size"] = layout.CUPTI_RECORD.size
+        hdr["layers_offset"] = regions.layers_offset
+        hdr["layers_capacity"] = self.layers_capacity
+        hdr["layer_record_size"] = layout.LAYER_RECORD.size
         raw = hdr.tobytes()
         self.mm[8 : layout.HEADER.size] = raw[8:]
         self.words[0] = layout.MAGIC  # last: a reader never sees a half-written header
@@ -212,7 +226,7 @@ class ShmWriter:
         self._cell_seq = odd + 1
         words[_W_CELL] = odd + 1
         words[_W_HEARTBEAT] = time.monotonic_ns()
-        if self._pending:
+        if self._pending or self._pending_layers:
             self.poll_pending()
         if words[_W_CMD_SEQ] != self._acked_cmd_seq or self._cmd_until is not None:
             self._poll_control()
@@ -495,14 +509,91 @@ class ShmWriter:
         """Commit CUDA steps whose copies have completed, in order, without blocking. wait=True (at the
         end of a request and at exit, never per step) first waits for the newest copy, so an idle
         process leaves no step uncommitted."""
-        if wait and self._pending:
-            self._pending[-1][0].synchronize()
+        if wait:
+            for pending in (self._pending, self._pending_layers):
+                if pending:
+                    pending[-1][0].synchronize()
         committed = 0
         while self._pending and self._pending[0][0].query():
             _, pos, n = self._pending.popleft()
             self._commit_many(pos, n)
             committed += n
+        while self._pending_layers and self._pending_layers[0][0].query():
+            _, pos, n = self._pending_layers.popleft()
+            self._commit_layers(pos, n)
         return committed
+
+    # --- layer-stream records (per-layer metrics sampled by a policy, e.g. attention entropy) -------
+    def layer_values(self):
+        """A torch float32 [capacity] view of every layer record's `value`, backed by the map."""
+        if self._layer_values is None:
+            import torch
+
+            words = layout.LAYER_RECORD.size // 4
+            flat = torch.frombuffer(
+                self.mm, dtype=torch.float32, count=self.layers_capacity * words, offset=self.layers_offset
+            )
+            self._layer_values = flat.view(self.layers_capacity, words)[:, _LAYER_VALUE_WORD]
+        return self._layer_values
+
+    def publish_layers(self, values, *, step_seq: int, kind: int, trace_hi, trace_lo, batch_row, layer,
+                       head) -> int:  # fmt: skip
+        """Publish len(values) layer records. `values` is a float32 [n] tensor on any device (one
+        asynchronous copy into the map on CUDA, committed once its event completed, never waited for);
+        the host fields are ints or numpy arrays of n. Returns the number of records dropped."""
+        n = int(values.shape[0])
+        cap = self.layers_capacity
+        cuda = values.is_cuda
+        if n > cap or (cuda and len(self._pending_layers) >= MAX_PENDING_STEPS):
+            if cuda:
+                self.poll_pending()
+            if n > cap or len(self._pending_layers) >= MAX_PENDING_STEPS:  # never wait: drop and count
+                self.layers_dropped += n
+                self.words[_H["layers_dropped"] >> 3] = self.layers_dropped
+                return n
+        if cuda and not self._cuda_registered:
+            self._register_with_cuda()
+        with self._lock:
+            pos = self.layers_head
+            slot = pos & (cap - 1)
+            first = min(n, cap - slot)
+            recs = self.layers
+            seqs = 2 * np.arange(pos, pos + n, dtype=np.uint64) + 1
+            recs["seq"][slot : slot + first] = seqs[:first]
+            recs["seq"][: n - first] = seqs[first:]
+            self.layers_head = pos + n
+            self.words[_H["layers_head"] >> 3] = self.layers_head
+            view = self.layer_values()
+            src = values.detach()
+            view[slot : slot + first].copy_(src[:first], non_blocking=True)
+            if first < n:
+                view[: n - first].copy_(src[first:], non_blocking=True)
+            fields = {
+                "step_seq": step_seq, "trace_id_hi": trace_hi, "trace_id_lo": trace_lo,
+                "batch_row": batch_row, "layer": layer, "head": head, "kind": kind,
+                "flags": layout.FLAG_DEVICE_CUDA if cuda else 0,
+            }  # fmt: skip
+            for name, value in fields.items():
+                arr = np.broadcast_to(np.asarray(value), (n,))
+                recs[name][slot : slot + first] = arr[:first]
+                recs[name][: n - first] = arr[first:]
+            if cuda:
+                import torch
+
+                event = torch.cuda.Event()
+                event.record()
+                self._pending_layers.append((event, pos, n))
+            else:
+                self._commit_layers(pos, n)
+        return 0
+
+    def _commit_layers(self, pos: int, n: int) -> None:
+        cap = self.layers_capacity
+        slot = pos & (cap - 1)
+        first = min(n, cap - slot)
+        seqs = 2 * np.arange(pos, pos + n, dtype=np.uint64) + 2
+        self.layers["seq"][slot : slot + first] = seqs[:first]
+        self.layers["seq"][: n - first] = seqs[first:]
 
     # --- CUPTI records (written by the in-process collector) -----------------------------------------
     def publish_cupti(

@@ -174,6 +174,25 @@ MIGRATIONS: tuple[Migration, ...] = (
                 samples INTEGER NOT NULL)""",
         ),
     ),
+    Migration(
+        3,
+        "layer_streams: per-layer metrics of sampled token steps (attention entropy), from map ABI v2",
+        (
+            # One row per (step, batch row, layer, head); head -1 = mean over heads; kind 1 = attention
+            # entropy (nats). ts_ns is when the agent read the record (CLOCK_MONOTONIC), for retention;
+            # the step's own times are in token_steps (join on pid, step_seq, batch_row).
+            """CREATE TABLE layer_streams (
+                pid INTEGER NOT NULL,
+                step_seq BIGINT NOT NULL,
+                trace_id VARCHAR NOT NULL,
+                batch_row INTEGER NOT NULL,
+                layer INTEGER NOT NULL,
+                head INTEGER NOT NULL,
+                kind INTEGER NOT NULL,
+                value FLOAT,
+                ts_ns BIGINT NOT NULL)""",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -189,6 +208,7 @@ TIME_COLUMN: dict[str, str] = {
     "requests": "t_end_ns",
     "anomalies": "ts_ns",
     "clock_fits": "ts_ns",
+    "layer_streams": "ts_ns",
     "processes": "last_seen_ns",
 }
 

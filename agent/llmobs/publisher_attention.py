@@ -1,0 +1,134 @@
+"""Attention entropy per layer, sampled by a policy: off by default, every N-th forward pass when on.
+
+transformers 5 computes attention with SDPA by default, which never materialises the probabilities:
+`output_attentions=True` under SDPA silently returns an empty tuple. So on a sampled forward pass only,
+the model's attention implementation is switched to "eager" (one config attribute, read by the masks
+and by every attention module at call time), forward hooks are put on the attention modules to take
+the probabilities of the newest query position, and both are undone when the forward returns. Unsampled
+passes run exactly as without the policy (no hooks, SDPA); with no policy nothing is installed at all.
+
+Per layer: H = -sum_k p_k ln p_k (nats) of softmax row of the newest query, per head, then the mean
+over heads (or every head with per_head=True). torch ops on the model's device; the values reach the
+map's layer-stream ring with one non-blocking copy (llmobs.shm.writer.ShmWriter.publish_layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmobs.shm import layout
+
+
+@dataclass(frozen=True)
+class AttentionEntropy:
+    """The sampling policy: measure on forward passes whose step_seq % every == 0."""
+
+    every: int = 1
+    per_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"AttentionEntropy(every={self.every}): every must be >= 1")
+
+
+def as_policy(value) -> AttentionEntropy | None:
+    """None/False/0 = off; an int N = AttentionEntropy(every=N); a policy as is."""
+    if value is None or value is False or (isinstance(value, int) and value == 0):
+        return None
+    if isinstance(value, AttentionEntropy):
+        return value
+    if isinstance(value, int):
+        return AttentionEntropy(every=value)
+    raise TypeError(f"attention_entropy must be None, an int or llmobs.AttentionEntropy, not {value!r}")
+
+
+def attention_modules(model) -> list:
+    """The self-attention modules in layer order (each has a layer_idx in HF GPT-2 and Llama)."""
+    found = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    return sorted(found, key=lambda m: m.layer_idx)
+
+
+def newest_query_entropy(weights):
+    """Attention probabilities [B, H, Q, K] -> entropy of the last query row [B, H] (float32, nats)."""
+    import torch
+
+    return torch.special.entr(weights[:, :, -1, :].detach().float()).sum(-1)
+
+
+class AttentionSampler:
+    """Installs the per-step capture on sampled forward passes and publishes what it captured."""
+
+    def __init__(self, model, policy: AttentionEntropy):
+        self.model = model
+        self.policy = policy
+        self.modules = attention_modules(model)
+        self.config = getattr(model, "config", None)
+        self._handles: list = []
+        self._captured: list = []
+        self._saved_impl = None
+        self._step = None  # (step_seq, trace_hi, trace_lo) of the sampled pass in flight
+
+    def begin(self, step_seq: int, trace_hi, trace_lo) -> None:
+        """Called by the pre-hook once the step has its step_seq; a no-op on unsampled passes."""
+        self.abort()  # a forward that raised last time never reached end(): undo its capture first
+        if step_seq % self.policy.every or not self.modules or self.config is None:
+            return
+        self._saved_impl = self.config._attn_implementation
+        if self._saved_impl != "eager":
+            self.config._attn_implementation = "eager"
+        self._captured = [None] * len(self.modules)
+        for i, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._hook(i)))
+        self._step = (step_seq, trace_hi, trace_lo)
+
+    def _hook(self, index: int):
+        def capture(module, args, output):
+            weights = output[1] if isinstance(output, tuple) and len(output) > 1 else None
+            if weights is not None:
+                self._captured[index] = newest_query_entropy(weights)
+
+        return capture
+
+    def abort(self) -> None:
+        """Remove the hooks and give the model its attention implementation back."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if self._saved_impl is not None:
+            if self.config._attn_implementation != self._saved_impl:
+                self.config._attn_implementation = self._saved_impl
+            self._saved_impl = None
+        self._step = None
+
+    def end(self, writer) -> None:
+        """Called by the post-hook: publish the captured entropies of a sampled pass."""
+        step = self._step
+        self.abort()
+        captured, self._captured = self._captured, []
+        if step is None or not captured or any(c is None for c in captured):
+            return
+        import torch
+
+        step_seq, trace_hi, trace_lo = step
+        per_layer = torch.stack(captured)  # [L, B, H]
+        n_layers, batch, heads = per_layer.shape
+        if self.policy.per_head:
+            values = per_layer.reshape(-1)
+            head = np.tile(np.arange(heads, dtype=np.int32), n_layers * batch)
+            row = np.tile(np.repeat(np.arange(batch, dtype=np.int32), heads), n_layers)
+            layer = np.repeat(np.arange(n_layers, dtype=np.int32), batch * heads)
+        else:
+            values = per_layer.mean(-1).reshape(-1)
+            head = layout.HEAD_MEAN
+            row = np.tile(np.arange(batch, dtype=np.int32), n_layers)
+            layer = np.repeat(np.arange(n_layers, dtype=np.int32), batch)
+        hi = np.asarray(trace_hi, dtype=np.uint64)
+        lo = np.asarray(trace_lo, dtype=np.uint64)
+        if hi.size != batch:  # rows that are not the request's rows: attribute them all to row 0
+            hi, lo = np.full(batch, hi.flat[0], np.uint64), np.full(batch, lo.flat[0], np.uint64)
+        writer.publish_layers(
+            values, step_seq=step_seq, kind=layout.LAYER_ATTENTION_ENTROPY, trace_hi=hi[row],
+            trace_lo=lo[row], batch_row=row, layer=layer, head=head,
+        )  # fmt: skip
