@@ -7,15 +7,13 @@ last steps happens at detach, before the store closes.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
+from held_workload import HeldWorkload
 from test_attach import Agent, _assert_clean
-from test_attach_workload import _read_json_line
 from test_probes_target import leftovers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -27,34 +25,20 @@ REQUESTS, TOKENS = 4, 6
 
 def test_attach_otlp_exports_every_published_step_under_its_request(tmp_path):
     before = leftovers()
-    ready_r, ready_w = os.pipe()
+    args = ("--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS), "--threads", "1",
+            "--tenant", "acme,globex")  # fmt: skip
     with Rotel(tmp_path / "rotel") as collector:
-        workload = subprocess.Popen(
-            [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", str(REQUESTS),
-             "--max-new-tokens", str(TOKENS), "--threads", "1", "--tenant", "acme,globex",
-             "--wait-stdin", "--hold", "--ready-fd", str(ready_w)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,),
-        )  # fmt: skip
-        os.close(ready_w)
-        try:
-            assert _read_json_line(ready_r)["phase"] == "ready"
+        with HeldWorkload(*args) as workload:
             agent = Agent(
                 "--pid", str(workload.pid), "--profile", "cpu,host",
                 "--db", str(tmp_path / "store.duckdb"), "--otlp", collector.grpc_endpoint,
             )  # fmt: skip
             agent.wait_for("attached in")
-            workload.stdin.write(b"go\n")
-            workload.stdin.flush()
-            assert _read_json_line(ready_r)["phase"] == "done"
+            workload.generate()
             agent.proc.send_signal(signal.SIGINT)
             code, text = agent.finish()
             assert code == 0, text
             _assert_clean(agent.pid, workload.pid, before)
-        finally:
-            workload.stdin.write(b"bye\n")
-            workload.stdin.flush()
-            workload.wait(timeout=30)
-            os.close(ready_r)
         collector.stop()  # SIGTERM: rotel writes out everything it accepted
         spans = {span.span_id: span for span in collector.spans()}
 

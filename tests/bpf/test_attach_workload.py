@@ -5,48 +5,24 @@ step, the exact totals cover every token step, and `--sample` keeps traces whole
 
 from __future__ import annotations
 
-import json
-import os
-import select
 import signal
-import subprocess
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pyarrow.parquet as pq
+from held_workload import HeldWorkload
 from llmobs.bpf.records import trace_kept
 from llmobs.shm.reader import ShmReader
 from test_attach import Agent, _assert_clean
 from test_probes_target import leftovers
 
-WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
 REQUESTS, TOKENS, SAMPLE = 24, 4, 2  # the workload's 4 prompts -> 4 trace ids (hash of the input ids)
-
-
-def _read_json_line(fd: int, timeout: float = 60.0) -> dict:
-    data = b""
-    while not data.endswith(b"\n"):
-        readable, _, _ = select.select([fd], [], [], timeout)
-        assert readable, "the workload did not report within the timeout"
-        chunk = os.read(fd, 4096)
-        assert chunk, "the workload exited early"
-        data += chunk
-    return json.loads(data.decode().splitlines()[-1])
 
 
 def test_tags_match_the_map_and_sampling_keeps_requests_whole(tmp_path):
     out = tmp_path / "w.parquet"
     before = leftovers()
-    ready_r, ready_w = os.pipe()
-    workload = subprocess.Popen(
-        [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens",
-         str(TOKENS), "--threads", "1", "--wait-stdin", "--hold", "--ready-fd", str(ready_w)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,),
-    )  # fmt: skip
-    os.close(ready_w)
-    try:
-        assert _read_json_line(ready_r)["phase"] == "ready"
+    args = ("--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS), "--threads", "1")
+    with HeldWorkload(*args) as workload:
         agent = Agent(
             "--pid",
             str(workload.pid),
@@ -58,20 +34,13 @@ def test_tags_match_the_map_and_sampling_keeps_requests_whole(tmp_path):
             str(out),
         )
         agent.wait_for("attached in")
-        workload.stdin.write(b"go\n")
-        workload.stdin.flush()
-        assert _read_json_line(ready_r)["phase"] == "done"
+        workload.generate()
         with ShmReader(workload.pid) as reader:  # what the map says each token step was
             steps = reader.read_steps().rows()
         agent.proc.send_signal(signal.SIGINT)
         code, text = agent.finish()
         assert code == 0, text
         _assert_clean(agent.pid, workload.pid, before)
-    finally:
-        workload.stdin.write(b"bye\n")
-        workload.stdin.flush()
-        workload.wait(timeout=30)
-        os.close(ready_r)
     trace_of = {row["step_seq"]: row["trace_id"] for row in steps}
     position = {row["step_seq"]: row["step"] for row in steps}
     assert len(trace_of) == REQUESTS * TOKENS
@@ -107,32 +76,17 @@ def test_known_allocations_per_step(tmp_path):
     bytes (and frees them in the same step); the agent sees exactly those, tagged with that step."""
     out, nbytes = tmp_path / "a.parquet", 123_457  # a size nothing else in the process allocates
     before = leftovers()
-    ready_r, ready_w = os.pipe()
-    workload = subprocess.Popen(
-        [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", "6", "--max-new-tokens", "4",
-         "--threads", "1", "--alloc-bytes", str(nbytes), "--wait-stdin", "--hold",
-         "--ready-fd", str(ready_w)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,),
-    )  # fmt: skip
-    os.close(ready_w)
-    try:
-        assert _read_json_line(ready_r)["phase"] == "ready"
+    args = ("--model", "tiny", "--requests", "6", "--max-new-tokens", "4", "--threads", "1")
+    with HeldWorkload(*args, "--alloc-bytes", str(nbytes)) as workload:
         agent = Agent("--pid", str(workload.pid), "--profile", "cpu,mem,host", "--out", str(out))
         agent.wait_for("attached in")
-        workload.stdin.write(b"go\n")
-        workload.stdin.flush()
-        assert _read_json_line(ready_r)["phase"] == "done"
+        workload.generate()
         with ShmReader(workload.pid) as reader:
             steps = [row["step_seq"] for row in reader.read_steps().rows()]
         agent.proc.send_signal(signal.SIGINT)
         code, text = agent.finish()
         assert code == 0, text
         _assert_clean(agent.pid, workload.pid, before)
-    finally:
-        workload.stdin.write(b"bye\n")
-        workload.stdin.flush()
-        workload.wait(timeout=30)
-        os.close(ready_r)
     assert len(steps) == 24
     events = pq.read_table(out).to_pylist()
     allocs, frees = defaultdict(int), defaultdict(int)

@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import duckdb
+from held_workload import read_json_line
 from test_attach import Agent, _assert_clean
-from test_attach_workload import _read_json_line
 from test_probes_target import leftovers
 
 AGENT = [sys.executable, "-m", "llmobs.cli"]
@@ -66,7 +66,7 @@ def test_top_once_shows_a_live_attach(tmp_path):
     )  # fmt: skip
     os.close(ready_w)
     try:
-        assert _read_json_line(ready_r)["phase"] == "ready"
+        assert read_json_line(ready_r)["phase"] == "ready"
         os.environ["LLMOBS_RUN_DIR"] = env["LLMOBS_RUN_DIR"]  # the Agent helper inherits our environment
         try:
             agent = Agent("--pid", str(workload.pid), "--db", str(tmp_path / "s.duckdb"))

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
+from held_workload import HeldWorkload, read_json_line
 from test_attach import Agent, _assert_clean
-from test_attach_workload import _read_json_line
 from test_probes_target import leftovers
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
@@ -32,30 +32,17 @@ ALLOC_BYTES = 1_000_003  # no tensor of the tiny GPT-2 has this size: these allo
 def _run(tmp_path: Path) -> tuple[list[dict], Path, str]:
     db, record = tmp_path / "store.duckdb", tmp_path / "record.jsonl"
     before = leftovers()
-    ready_r, ready_w = os.pipe()
-    workload = subprocess.Popen(
-        [sys.executable, str(WORKLOAD), "--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens",
-         str(TOKENS), "--threads", "1", "--tenant", "acme,globex", "--record", str(record), "--alloc-bytes",
-         str(ALLOC_BYTES), "--wait-stdin", "--hold", "--ready-fd", str(ready_w)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,),
-    )  # fmt: skip
-    os.close(ready_w)
-    try:
-        assert _read_json_line(ready_r)["phase"] == "ready"
+    args = ("--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS), "--threads", "1",
+            "--tenant", "acme,globex", "--record", str(record),
+            "--alloc-bytes", str(ALLOC_BYTES))  # fmt: skip
+    with HeldWorkload(*args) as workload:
         agent = Agent("--pid", str(workload.pid), "--profile", "cpu,mem,host", "--db", str(db))
         agent.wait_for("attached in")
-        workload.stdin.write(b"go\n")
-        workload.stdin.flush()
-        assert _read_json_line(ready_r)["phase"] == "done"
+        workload.generate()
         agent.proc.send_signal(signal.SIGINT)
         code, text = agent.finish()
         assert code == 0, text
         _assert_clean(agent.pid, workload.pid, before)
-    finally:
-        workload.stdin.write(b"bye\n")
-        workload.stdin.flush()
-        workload.wait(timeout=30)
-        os.close(ready_r)
     return [json.loads(line) for line in record.read_text().splitlines()], db, text
 
 
@@ -143,7 +130,7 @@ def test_sigkill_during_ingest_keeps_what_was_committed(tmp_path):
     os.close(ready_w)
     os.environ["LLMOBS_RUN_DIR"] = str(run_dir)  # the agent inherits it
     try:
-        assert _read_json_line(ready_r)["phase"] == "ready"
+        assert read_json_line(ready_r)["phase"] == "ready"
         agent = Agent("--pid", str(workload.pid), "--db", str(db))
         agent.wait_for("attached in")
         snapshot = snapshot_path(workload.pid, run_dir)

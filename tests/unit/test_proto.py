@@ -9,6 +9,7 @@ from pathlib import Path
 from google.protobuf import descriptor_pb2
 from grpc_tools import protoc
 from llmobs._proto import llmobs_pb2 as pb
+from llmobs.shm.reader import STEP_COLUMNS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO = ROOT / "proto" / "llmobs.proto"
@@ -99,29 +100,8 @@ PUBLISHED_FIELDS: dict[str, dict[str, int]] = {
     "LLMTraceLog.Response": {"output_tokens": 1, "model_id": 2},
 }
 
-# The decoded token-step columns (notes/records.md); TokenStep must carry each of them.
-TOKEN_STEP_COLUMNS = [
-    "pid",
-    "step_seq",
-    "trace_id",
-    "step",
-    "position",
-    "token_id",
-    "target_id",
-    "loss",
-    "entropy",
-    "target_prob",
-    "target_rank",
-    "top1_prob",
-    "latency_ns",
-    "t_start_ns",
-    "t_end_ns",
-    "batch_row",
-    "tenant",
-    "session",
-    "model_id",
-    "kv_len",
-]
+# The decoded token-step columns (the map reader's output); TokenStep must carry each of them.
+TOKEN_STEP_COLUMNS = STEP_COLUMNS
 
 
 def message_descriptor(dotted: str):

@@ -29,6 +29,7 @@ import duckdb
 import pyarrow as pa
 
 from llmobs import clock
+from llmobs.shm.reader import STEP_COLUMNS
 
 DDL = (
     """CREATE TABLE IF NOT EXISTS otlp_cursor (
@@ -54,28 +55,7 @@ DDL = (
     "CREATE TABLE IF NOT EXISTS otlp_state (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)",
 )
 
-_STEP_NAMES = (
-    "pid",
-    "step_seq",
-    "trace_id",
-    "step",
-    "position",
-    "token_id",
-    "target_id",
-    "loss",
-    "entropy",
-    "target_prob",
-    "target_rank",
-    "top1_prob",
-    "latency_ns",
-    "t_start_ns",
-    "t_end_ns",
-    "batch_row",
-    "tenant",
-    "session",
-    "model_id",
-    "kv_len",
-)
+_STEP_NAMES = STEP_COLUMNS  # the decoded token-step columns, as the map reader defines them
 STEP_COLUMNS = ", ".join(
     "coalesce(t.batch_row, 0) AS batch_row" if name == "batch_row" else f"t.{name}" for name in _STEP_NAMES
 )
