@@ -193,6 +193,24 @@ MIGRATIONS: tuple[Migration, ...] = (
                 ts_ns BIGINT NOT NULL)""",
         ),
     ),
+    Migration(
+        4,
+        "anomalies: request key, token index, detector, evidence JSON, artifact path",
+        (
+            # Columns added for issue 9 (diag-detect). `artifact` (nullable VARCHAR) is the path of a
+            # file that illustrates the anomaly, e.g. diag-layers' dL/dE heatmap PNG: the agent sets it
+            # with UPDATE anomalies SET artifact = ? WHERE pid = ? AND step_seq = ? [AND kind = ?].
+            # `evidence` is the JSON the evidence pass (llmobs.diagnostics.evidence) fills in once the
+            # step is rolled up; NULL until then. A request is (pid, trace_id, first_step_seq).
+            "ALTER TABLE anomalies ADD COLUMN first_step_seq BIGINT",
+            "ALTER TABLE anomalies ADD COLUMN step INTEGER",
+            "ALTER TABLE anomalies ADD COLUMN batch_row INTEGER",
+            "ALTER TABLE anomalies ADD COLUMN detector VARCHAR",
+            "ALTER TABLE anomalies ADD COLUMN evidence VARCHAR",
+            "ALTER TABLE anomalies ADD COLUMN evidence_ns BIGINT",
+            "ALTER TABLE anomalies ADD COLUMN artifact VARCHAR",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version

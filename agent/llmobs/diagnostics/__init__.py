@@ -1,0 +1,1 @@
+"""LLM diagnostics: token-loss anomaly detectors, their evidence, layer streams and root-cause attribution."""
