@@ -90,3 +90,10 @@ class GpuBusy(LlmobsError):
 class NoResponse(LlmobsError):
     exit_code = ExitCode.NO_RESPONSE
     default_hint = "a process handles commands when a token step starts: is it generating? raise --timeout"
+
+
+class ConfigError(LlmobsError):
+    """A bad setting of the daemon's configuration (file, LLMOBS_* variable or flag)."""
+
+    exit_code = ExitCode.USAGE
+    default_hint = "see docs/daemon.md for the keys, their allowed values and the LLMOBS_* variables"
