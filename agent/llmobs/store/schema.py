@@ -211,6 +211,21 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE anomalies ADD COLUMN artifact VARCHAR",
         ),
     ),
+    Migration(
+        5,
+        "layer_modules: the qualified module name behind each (pid, layer-stream kind, layer)",
+        (
+            # diag-layers: the workload registers each layer stream's module name once (map names ring,
+            # `module:<kind>:<layer>:<name>`, llmobs.publisher_layers); root cause names the module from
+            # here. ts_ns is when the agent first read the name (retention).
+            """CREATE TABLE layer_modules (
+                pid INTEGER NOT NULL,
+                kind INTEGER NOT NULL,
+                layer INTEGER NOT NULL,
+                module VARCHAR NOT NULL,
+                ts_ns BIGINT NOT NULL)""",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -227,6 +242,7 @@ TIME_COLUMN: dict[str, str] = {
     "anomalies": "ts_ns",
     "clock_fits": "ts_ns",
     "layer_streams": "ts_ns",
+    "layer_modules": "ts_ns",
     "processes": "last_seen_ns",
 }
 
