@@ -3,6 +3,11 @@ the exact totals, watches the target, and detaches everything it attached.
 
 The caller drives it: `start()`, then `poll()` every ~20 ms (returns the decoded sample batch), then
 `close()` (idempotent) which detaches first and reads the final totals after.
+
+With `Options.shared` the session is one target of a daemon's fleet (llmobs.daemon.fleet): the program,
+its ring and the global tracepoints belong to the fleet, which drains the ring once for all targets and
+hands each session its own events (`poll(events)`); the session attaches only its pid's uprobes and
+harvests only its pid's totals.
 """
 
 from __future__ import annotations
@@ -85,6 +90,9 @@ class Options:
     ioctl_paths: str = "/dev/nvidia*"  # glob of the device files whose ioctls the host profile times
     require_pytorch: bool = True
     gemm_durations: bool = False  # time the probes whose duration is optional (sgemm): ~2x their cost
+    # one target of a fleet: the ring, the maps' reset, the sampling knobs and the tracepoints are the
+    # fleet's (a tracepoint sees every process, so it is attached once for all targets)
+    shared: bool = False
 
 
 @dataclass
@@ -170,10 +178,11 @@ class AttachSession:
             self.program = ProbeProgram(loadable)
         program = self.program
         available = {probe.name for probe in program.probes}
-        program.reset_maps()
-        program.set_sampling(self.options.sample_n, self.options.sample_mode)
-        self._ring = RingConsumer(program.map_fd("llmobs_events"), program.ring_bytes)
-        self._ring.drain()  # leftovers of a previous session of a reused program
+        if not self.options.shared:
+            program.reset_maps()
+            program.set_sampling(self.options.sample_n, self.options.sample_mode)
+            self._ring = RingConsumer(program.map_fd("llmobs_events"), program.ring_bytes)
+            self._ring.drain()  # leftovers of a previous session of a reused program
         self.cell_address = find_context_cell(self.pid, entries, ctx_offset())
         program.set_target(self.pid, self.cell_address)
         self._ncpus = aggregates.possible_cpus()
@@ -188,6 +197,8 @@ class AttachSession:
                         program.attach_uprobe(
                             by_name[probe.name], self.pid, self.attached, self.options.gemm_durations
                         )
+                    elif self.options.shared:
+                        pass  # attached once by the fleet; it sees this pid once set_target ran
                     else:
                         program.attach_tracepoints(probe, self.attached)
                     self.attached_probes.append(probe)
@@ -220,12 +231,14 @@ class AttachSession:
         except Exception:
             return False
 
-    def poll(self) -> np.ndarray:
-        """Drains the ring (one numpy batch), and refreshes slow-moving state once a second."""
-        assert self._ring is not None
-        began = time.perf_counter()
-        events = self._ring.drain()
-        self.stats.decode_seconds += time.perf_counter() - began
+    def poll(self, events: np.ndarray | None = None) -> np.ndarray:
+        """Drains the ring (one numpy batch), and refreshes slow-moving state once a second. A shared
+        session is handed its events (the fleet drained the ring) and returns them."""
+        if events is None:
+            assert self._ring is not None
+            began = time.perf_counter()
+            events = self._ring.drain()
+            self.stats.decode_seconds += time.perf_counter() - began
         self.stats.polls += 1
         if len(events):
             self.stats.sampled += len(events)
@@ -265,9 +278,13 @@ class AttachSession:
             aggregates.delete_keys(self.program.lib, self.program.map_fd("llmobs_aggs"), keys[done])
 
     def _read_aggregates(self) -> tuple[np.ndarray, np.ndarray]:
-        return aggregates.read_percpu_hash(
+        keys, values = aggregates.read_percpu_hash(
             self.program.lib, self.program.map_fd("llmobs_aggs"), self.program.agg_entries, self._ncpus
         )
+        if self.options.shared:  # the map holds every target's totals: take only this pid's
+            mine = keys["pid"] == self.pid
+            return keys[mine], values[mine]
+        return keys, values
 
     def counters(self) -> dict[str, int]:
         raw = self.program.counters() if self.program else {}
@@ -280,6 +297,15 @@ class AttachSession:
         return self.totals.merged(keys, values)
 
     # ---- stop -------------------------------------------------------------------------------------------
+    def _forget_pid(self) -> None:
+        """Deletes this pid's keys from the shared aggregates map and its watched ioctl fds."""
+        try:
+            keys, _values = self._read_aggregates()
+            aggregates.delete_keys(self.program.lib, self.program.map_fd("llmobs_aggs"), keys)
+            self.program.set_watched_fds(self.pid, set())
+        except Exception as exc:  # best effort: a stale key is bounded and harmless
+            self.notes.append(f"could not clear pid {self.pid}'s map entries: {exc}")
+
     def close(self) -> tuple[np.ndarray, dict]:
         """Detaches everything, drains the rest, reads the final totals. Returns (last events, final)."""
         if self._closed:
@@ -291,10 +317,12 @@ class AttachSession:
         if len(events) and self.stats.first_event_after_s is None:
             self.stats.first_event_after_s = time.monotonic() - self.stats.started_at
         final = {"problems": problems, "totals": {}, "counters": {}}
-        if self.program is not None and self._ring is not None:
+        if self.program is not None and (self._ring is not None or self.options.shared):
             final["totals"] = self.live_totals()
             final["counters"] = self.counters()
             self.program.remove_target(self.pid)
+            if self.options.shared:  # the program lives on: leave none of this pid's state in its maps
+                self._forget_pid()
         if self._ring:
             self._ring.close()
         if self._owns_program and self.program is not None:

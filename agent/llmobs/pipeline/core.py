@@ -26,6 +26,8 @@ import pyarrow as pa
 from llmobs import clock
 from llmobs.bpf.profiles import PROBES
 from llmobs.correlate import CorrelateStats, correlate
+from llmobs.diagnostics.detectors import DetectorConfig
+from llmobs.diagnostics.live import LiveAnomalies
 from llmobs.pipeline.live import LiveStats, remove_snapshot, snapshot_path, write_snapshot
 from llmobs.pipeline.sources import BpfSource, ShmSource
 from llmobs.procfs import ProcFS
@@ -60,6 +62,7 @@ class PipelineSummary:
     correlate_errors: int = 0
     final_correlate: CorrelateStats | None = None
     correlate_seconds: float = 0.0
+    anomalies: str | None = None  # the live loss-anomaly detectors' one-line account
 
     def print(self, stream: TextIO = sys.stderr) -> None:
         tables = ", ".join(f"{t} {n:,}" for t, n in sorted(self.rows_by_table.items()) if n)
@@ -87,6 +90,8 @@ class PipelineSummary:
             )
         elif self.correlate_errors:
             print(f"correlate: failed ({self.store_error})", file=stream)
+        if self.anomalies:
+            print(self.anomalies, file=stream)
 
 
 def _failed(errors: int, error: str | None) -> str:
@@ -108,6 +113,7 @@ class Pipeline:
         snapshot: Path | None | bool = True,
         owns_store: bool = False,
         shm: ShmSource | None = None,
+        detector: DetectorConfig | None = DetectorConfig(),  # noqa: B008 (frozen: one shared default is fine)
     ):
         self.store = store
         self.pid = pid
@@ -139,6 +145,8 @@ class Pipeline:
             store.upsert_process(pid, self._process["start_ns"], **self._process["columns"])
         except Exception as exc:  # bookkeeping rows must not stop the data path
             self.last_error = str(exc)
+        # token-loss anomalies: scored as steps arrive, committed at once (None: detectors off)
+        self.anomalies = LiveAnomalies(store, detector) if detector is not None else None
         self._correlator.start()
 
     @classmethod
@@ -189,6 +197,8 @@ class Pipeline:
                 self._pending_since = oldest
         self.live.add_steps(steps)
         self._fan_out({"token_steps": steps})
+        if self.anomalies is not None:
+            self.anomalies.add(steps)
         return len(steps["step_seq"])
 
     def _add_layers(self, layers: dict | None) -> None:
@@ -256,6 +266,8 @@ class Pipeline:
                 try:
                     correlate(conn, since_ns=since, pid=self.pid)
                     self.correlate_runs += 1
+                    if self.anomalies is not None:  # anomalies of steps rolled up now get their evidence
+                        self.anomalies.refresh_evidence(conn, self.pid, since)
                 except Exception as exc:  # counted; the final run at close covers the whole session
                     self.correlate_errors += 1
                     self.last_error = f"correlate: {str(exc).splitlines()[0]}"
@@ -291,15 +303,25 @@ class Pipeline:
                 sink.close(CLOSE_TIMEOUT_S)
             except Exception as exc:
                 self.last_error = f"{type(sink).__name__}: {exc}"
+        if self.anomalies is not None:
+            self.anomalies.close(CLOSE_TIMEOUT_S)
         summary = self._summary()
         began = time.perf_counter()
+        conn = None
         try:
             since = max((self.first_step_ns or self.started_ns) - LATE_NS, 0)
-            summary.final_correlate = correlate(self.store.connection, since_ns=since, pid=self.pid)
+            # its own cursor: in a daemon other pipelines' writers share the store's connection
+            conn = self.store.connection.cursor()
+            summary.final_correlate = correlate(conn, since_ns=since, pid=self.pid)
         except Exception as exc:
             self.correlate_errors += 1
             summary.store_error = f"correlate: {str(exc).splitlines()[0]}"
+        finally:
+            if conn is not None:
+                conn.close()
         summary.correlate_seconds = time.perf_counter() - began
+        if self.anomalies is not None:
+            self._final_evidence(summary)
         summary.correlate_errors = self.correlate_errors
         try:
             columns = {"last_seen_ns": clock.monotonic_ns(), "map_path": self.shm.map_path or None}
@@ -321,6 +343,16 @@ class Pipeline:
             if not result.ok:
                 summary.store_error = summary.store_error or result.error
         return summary
+
+    def _final_evidence(self, summary: PipelineSummary) -> None:
+        """Evidence for every anomaly of the session whose step is rolled up, after the last correlate."""
+        conn = self.store.connection.cursor()
+        try:
+            since = max((self.first_step_ns or self.started_ns) - LATE_NS, 0)
+            self.anomalies.refresh_evidence(conn, self.pid, since)
+        finally:
+            conn.close()
+        summary.anomalies = self.anomalies.summary()
 
     def _summary(self) -> PipelineSummary:
         counters = self.writer.counters
