@@ -15,7 +15,6 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -165,14 +164,21 @@ class ElfFile:
         return bytes(self._map[symbol.file_offset : symbol.file_offset + length])
 
 
-@lru_cache(maxsize=64)
-def _open_cached(path: str, _identity: tuple[int, int, int]) -> ElfFile:
-    return ElfFile(path)
+_ELF_CACHE: dict[tuple[int, int, int, int], ElfFile] = {}
+_ELF_CACHE_SIZE = 16  # distinct library files (versions) kept mapped; each holds one fd and one mapping
 
 
 def open_elf(path: str) -> ElfFile:
-    """An ElfFile, cached per (path, inode, size, mtime) so repeated attaches skip re-reading."""
+    """An ElfFile, cached per file identity (device, inode, size, mtime) so repeated attaches skip
+    re-reading. Keyed by identity, not path: each target reaches the same libc10.so through its own
+    /proc/PID/root/... path, and a path key made one new mapping (and fd) per target process, so an
+    agent serving targets that come and go held up to 64 of them per library."""
     import os
 
     st = os.stat(path)
-    return _open_cached(path, (st.st_ino, st.st_size, int(st.st_mtime_ns)))
+    identity = (st.st_dev, st.st_ino, st.st_size, int(st.st_mtime_ns))
+    elf = _ELF_CACHE.pop(identity, None) or ElfFile(path)
+    _ELF_CACHE[identity] = elf  # most recently used last
+    while len(_ELF_CACHE) > _ELF_CACHE_SIZE:
+        _ELF_CACHE.pop(next(iter(_ELF_CACHE))).close()
+    return elf
