@@ -1,0 +1,199 @@
+"""Fleet: the daemon's targets sharing ONE loaded BPF program, one ring and one DuckDB store.
+
+Why one program: bcc compiles a program in ~1 s of a core that the workloads need, and every loaded
+program holds its own maps (a 16 MiB ring, a 64 k-entry aggregates hash). The program keys its targets
+by pid slot, its aggregates by (pid, probe, step), and every event carries its pid, so one program can
+serve many processes: uprobes are attached per pid (a uprobe is per file offset and process), the
+tracepoints of the host profile once for the whole fleet (a tracepoint sees every process; the program
+ignores pids that are not targets). The fleet drains the ring once per tick and hands each target's
+pipeline its own events; each target's AttachSession (Options.shared) owns only its uprobes and its
+pid's totals. Each target has its own Pipeline (map reader, store writer thread, correlator) on the
+one shared DuckDBStore, whose appends are serialised by the store's lock; correlators use cursors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from llmobs.bpf.profiles import Probe, probes_of
+from llmobs.bpf.program import Attached, ProbeProgram
+from llmobs.bpf.records import EVENT_DTYPE
+from llmobs.bpf.ringbuf import RingConsumer
+from llmobs.bpf.session import AttachSession, Options, tracepoint_available
+from llmobs.daemon.discovery import Proc
+from llmobs.errors import NoSuchProcess
+from llmobs.pipeline import Pipeline
+from llmobs.pipeline.core import PipelineSummary
+from llmobs.pipeline.live import snapshot_path
+
+_NO_EVENTS = np.empty(0, dtype=EVENT_DTYPE)
+
+
+@dataclass
+class Target:
+    proc: Proc
+    session: AttachSession
+    pipeline: Pipeline
+    attached_at: float = field(default_factory=time.monotonic)
+    events: int = 0  # sampled events routed to it
+
+
+@dataclass
+class Detached:
+    """What removing a target left: its final totals and the pipeline's summary."""
+
+    target: Target
+    final: dict
+    summary: PipelineSummary | None
+    reason: str
+
+
+class Fleet:
+    def __init__(self, options: Options, store, run_dir: Path, log: Callable[[str], None] = lambda _: None):
+        self.options = replace(options, shared=True, require_pytorch=False)
+        self.store = store
+        self.run_dir = run_dir
+        self.log = log
+        self.program: ProbeProgram | None = None
+        self.ring: RingConsumer | None = None
+        self.global_probes: list[Probe] = []  # the tracepoints, attached once
+        self.skipped: dict[str, str] = {}  # probe -> why the fleet could not offer it
+        self._global = Attached()
+        self.targets: dict[int, Target] = {}
+        self.unrouted = 0  # events of a pid that is no longer a target (sampled just before detach)
+
+    # ---- program ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Compiles the program with every probe of the profiles this kernel offers, and attaches the
+        tracepoints. Uprobes are compiled in even when no process has their library yet."""
+        probes = []
+        for probe in probes_of(self.options.profiles):
+            missing = next(filter(None, (tracepoint_available(tp) for tp, _ in probe.tracepoints)), None)
+            if missing:
+                self.skipped[probe.name] = missing
+            else:
+                probes.append(probe)
+        self.program = ProbeProgram(probes)
+        self.program.reset_maps()
+        self.program.set_sampling(self.options.sample_n, self.options.sample_mode)
+        self.ring = RingConsumer(self.program.map_fd("llmobs_events"), self.program.ring_bytes)
+        for probe in probes:
+            if probe.hook != "tracepoint":
+                continue
+            try:
+                self.program.attach_tracepoints(probe, self._global)
+                self.global_probes.append(probe)
+            except Exception as exc:  # one tracepoint failing must not stop the daemon
+                self.skipped[probe.name] = f"attach failed: {exc}"
+
+    def program_ids(self) -> dict[str, int]:
+        """BPF program name -> kernel program id, of the functions loaded so far (bpftool shows them)."""
+        ids = {}
+        for name, function in self.program.bpf.funcs.items() if self.program else ():
+            with contextlib.suppress(OSError, ValueError):
+                for line in Path(f"/proc/self/fdinfo/{function.fd}").read_text().splitlines():
+                    if line.startswith("prog_id:"):
+                        ids[name.decode() if isinstance(name, bytes) else name] = int(line.split()[1])
+        return ids
+
+    # ---- targets ----------------------------------------------------------------------------------
+    def add(self, proc: Proc) -> Target:
+        """Attaches proc's uprobes on the shared program and opens its pipeline. Raises the session's
+        typed errors (NotTracked, NothingAttached, NoSuchProcess, ...) with nothing left attached."""
+        session = AttachSession(proc.pid, self.options, program=self.program)
+        session.start()
+        try:
+            if session.procfs.start_time_ticks(proc.pid) != proc.start_ticks:
+                raise NoSuchProcess(f"pid {proc.pid} exited and was reused before it was attached")
+            pipeline = Pipeline(
+                self.store,
+                proc.pid,
+                session=session,
+                sample_ratio=self.options.sample_n,
+                snapshot=snapshot_path(proc.pid, self.run_dir),
+            )
+        except BaseException:
+            session.close()
+            raise
+        session.attached_probes.extend(p for p in self.global_probes if p not in session.attached_probes)
+        target = Target(proc, session, pipeline)
+        self.targets[proc.pid] = target
+        return target
+
+    def poll(self) -> int:
+        """Drains the ring once, hands every target its events and its map's token steps; returns the
+        number of events drained."""
+        events = self.ring.drain() if self.ring else _NO_EVENTS
+        routed = self._route(events)
+        for pid, target in self.targets.items():
+            mine = routed.get(pid, _NO_EVENTS)
+            target.events += len(mine)
+            target.session.poll(mine)
+            target.pipeline.poll(mine)
+        return len(events)
+
+    def _route(self, events: np.ndarray) -> dict[int, np.ndarray]:
+        if not len(events):
+            return {}
+        pids = events["pid"]
+        routed = {}
+        for pid in self.targets:
+            mask = pids == pid
+            if mask.any():
+                routed[pid] = events[mask]
+        self.unrouted += len(events) - sum(len(v) for v in routed.values())
+        return routed
+
+    def remove(self, pid: int, reason: str) -> Detached:
+        """Detaches pid's uprobes, hands its pipeline the last events and the exact final totals,
+        commits and correlates its data. The other targets keep running."""
+        target = self.targets[pid]
+        _, final = target.session.close()  # detach first: nothing of pid enters the ring after this
+        events = self.ring.drain() if self.ring else _NO_EVENTS
+        routed = self._route(events)
+        for other_pid, other in self.targets.items():
+            if other_pid != pid and other_pid in routed:
+                other.events += len(routed[other_pid])
+                other.pipeline.poll(routed[other_pid])
+        del self.targets[pid]
+        mine = routed.get(pid, _NO_EVENTS)
+        target.events += len(mine)
+        summary = None
+        try:
+            summary = target.pipeline.close(mine, final)
+        except Exception as exc:  # one pipeline's failure must not take the daemon down
+            final.setdefault("problems", []).append(f"pipeline close: {exc}")
+        return Detached(target, final, summary, reason)
+
+    def counters(self) -> dict[str, int]:
+        """The program-wide kernel counters (ring drops, aggregate overflow, ...) and ours."""
+        from llmobs.bpf.records import COUNTERS
+
+        raw = self.program.counters() if self.program else {}
+        named = {name: raw.get(i, 0) for i, name in enumerate(COUNTERS)}
+        named["unrouted"] = self.unrouted
+        named["ring_records"] = self.ring.records if self.ring else 0
+        return named
+
+    def close(self, reason: str = "agent stopping") -> list[Detached]:
+        """Removes every target, detaches the tracepoints, unloads the program."""
+        detached = []
+        for pid in list(self.targets):
+            detached.append(self.remove(pid, reason))
+        if self.program is not None:
+            problems = self.program.detach(self._global)
+            for problem in problems:
+                self.log(f"detach problem: {problem}")
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+        if self.program is not None:
+            self.program.close()
+            self.program = None
+        return detached
