@@ -18,6 +18,10 @@ For end-to-end checks of the agent (tests/bpf/test_pipeline_e2e.py):
                       forward pass and the extra allocations it made
   --alloc-bytes B     a phase with known allocations per step: every forward pass allocates
                       1 + step_seq % 3 CPU tensors of exactly B bytes (inside the forward, so tagged)
+For the loss-anomaly detectors (tests/bpf/test_diag_detect_e2e.py, scripts/bench_anomaly_latency.py):
+  --spike-steps 20,40 a known fault: at these token indices of every request generate() picks the
+                      token the model finds least likely (a logits processor), so the published loss
+                      of that step jumps (the model's own logits are untouched)
 The last line on stdout is a JSON summary: pid, requests, tokens, seconds, tokens_per_s, map.
 """
 
@@ -109,15 +113,40 @@ def encode(tokenizer, prompts: list[str]):
     return enc["input_ids"], enc["attention_mask"]
 
 
-def generate_once(model, tokenizer, prompts: list[str], max_new_tokens: int, logits: bool = False):
+class LeastLikelyAt:
+    """Logits processor: at the chosen token indices of the request, only the least likely token can be
+    chosen (a sampling fault the detectors must see as a loss spike)."""
+
+    def __init__(self, steps: set[int], prompt_len: int):
+        self.steps, self.prompt_len = steps, prompt_len
+
+    def __call__(self, input_ids, scores):
+        if input_ids.shape[1] - self.prompt_len in self.steps:
+            # tokens other processors ruled out (-inf: eos under min_new_tokens) stay out
+            worst = scores.masked_fill(scores == float("-inf"), float("inf")).argmin(dim=-1, keepdim=True)
+            forced = scores.new_full(scores.shape, float("-inf"))
+            return forced.scatter(-1, worst, 0.0)
+        return scores
+
+
+def generate_once(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    logits: bool = False,
+    spikes: set[int] = frozenset(),
+):
     import torch
+    from transformers import LogitsProcessorList
 
     ids, mask = encode(tokenizer, prompts)
+    processors = LogitsProcessorList([LeastLikelyAt(spikes, ids.shape[1])] if spikes else [])
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id,
-            return_dict_in_generate=logits, output_logits=logits,
+            return_dict_in_generate=logits, output_logits=logits, logits_processor=processors,
         )  # fmt: skip
     return ids, out
 
@@ -172,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hold", action="store_true", help="after done, wait for stdin EOF or a line")
     p.add_argument("--record", help="write per request: chosen tokens, own losses, step_seqs (JSON lines)")
     p.add_argument("--alloc-bytes", type=int, default=0, help="allocate 1 + step_seq %% 3 tensors of B bytes")
+    p.add_argument(
+        "--spike-steps", default="", help="token indices (e.g. 20,40) where the least likely token is chosen"
+    )
     return p
 
 
@@ -211,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     _signal(args, "ready", map_path, model_id)
     if args.wait_stdin:
         sys.stdin.readline()
+    spikes = {int(s) for s in args.spike_steps.split(",") if s.strip()}
     tokens = 0
     started = time.perf_counter()
     n = 0
@@ -225,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
                 import llmobs
 
                 with llmobs.context(tenant=tenants[n % len(tenants)], session=session):
-                    ids, out = generate_once(model, tokenizer, prompts, args.max_new_tokens, bool(record))
+                    ids, out = generate_once(
+                        model, tokenizer, prompts, args.max_new_tokens, bool(record), spikes
+                    )
                 if record:
                     chosen, losses = own_losses(ids, out)
                     allocs = phase.take() if phase else []

@@ -1,0 +1,188 @@
+"""GPU and host evidence of one forward pass, against the process's recent baseline.
+
+For a step (pid, step_seq) that correlate has rolled up, each measure of its step_rollups row (decode
+latency, kernel launches, GPU time, off-CPU time, page faults, allocations, ...) is compared with the
+same measure over the process's previous BASELINE_STEPS forward passes: the median, and a robust z
+(0.6745 (x - median) / MAD). A measure is *unusual* when it is both far out (z above Z_UNUSUAL, with
+the MAD floored so a constant baseline needs a real change) and materially larger (RATIO_UNUSUAL x the
+median, or present where the baseline had none). Kernels (gpu_ops of the step, by name) get the same
+treatment: slow kernels and extra kernels the baseline steps did not run. Unusual items are ranked by
+z. The result is JSON for the anomaly row's `evidence` column; `summary()` is one line of it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import numpy as np
+
+from llmobs import clock
+
+BASELINE_STEPS = 32  # previous forward passes of the process the step is compared with
+MIN_BASELINE = 4  # fewer previous passes: no verdicts, the numbers only
+Z_UNUSUAL = 3.5
+RATIO_UNUSUAL = 1.5
+MAX_STEPS_PER_REFRESH = 500  # anomalous steps evidenced per refresh call (bounded work per run)
+
+# step_rollups measure -> (what it is called when unusual, unit)
+MEASURES: dict[str, tuple[str, str]] = {
+    "decode_latency_ns": ("slow step", "ns"),
+    "launches": ("extra kernel launches", "count"),
+    "gpu_ns": ("slow kernels (GPU time)", "ns"),
+    "off_cpu_ns": ("off-CPU time", "ns"),
+    "page_faults": ("page faults", "count"),
+    "allocations": ("allocation burst (count)", "count"),
+    "alloc_bytes": ("allocation burst (bytes)", "bytes"),
+    "memcpy_bytes": ("memcpy volume", "bytes"),
+    "compute_calls": ("extra compute calls", "count"),
+}
+# The floor of a baseline's MAD: 5% of its median, and 1 unit. A baseline that never moved (MAD 0)
+# would otherwise make any change infinitely unusual; with the floor a step must move by more than
+# Z_UNUSUAL / 0.6745 * 5% (~26%) of the median, and by RATIO_UNUSUAL, to be called unusual.
+MAD_FLOOR_FRACTION = 0.05
+EXTRA_Z = 99.0  # the rank of a kernel the baseline steps never ran: above any measured z
+
+
+def _robust(value: float, base: np.ndarray) -> tuple[float, float, float]:
+    """(median, MAD, robust z of value) of a baseline."""
+    median = float(np.median(base))
+    mad = float(np.median(np.abs(base - median)))
+    floor = max(mad, abs(median) * MAD_FLOOR_FRACTION, 1.0)
+    return median, mad, 0.6745 * (value - median) / floor
+
+
+def _unusual(value: float, median: float, z: float) -> bool:
+    if value <= median or z < Z_UNUSUAL:
+        return False
+    return median <= 0 or value >= RATIO_UNUSUAL * median
+
+
+def gather(
+    conn: duckdb.DuckDBPyConnection, pid: int, step_seq: int, baseline: int = BASELINE_STEPS
+) -> dict | None:
+    """The evidence of one forward pass, or None when correlate has not rolled it up yet."""
+    columns = list(MEASURES)
+    rows = conn.execute(
+        f"""SELECT step_seq, {", ".join(columns)}, counts_exact FROM step_rollups
+            WHERE pid = $pid AND step_seq <= $seq ORDER BY step_seq DESC LIMIT $n""",
+        {"pid": pid, "seq": step_seq, "n": baseline + 1},
+    ).fetchall()
+    if not rows or rows[0][0] != step_seq:
+        return None
+    this, previous = rows[0], rows[1:]
+    step = {c: this[1 + i] for i, c in enumerate(columns)}
+    out: dict = {"pid": pid, "step_seq": step_seq, "baseline_steps": len(previous),
+                 "counts_exact": bool(this[-1]), "step": step, "baseline": {}, "unusual": []}  # fmt: skip
+    for i, column in enumerate(columns):
+        value = step[column]
+        base = np.asarray([r[1 + i] for r in previous if r[1 + i] is not None], np.float64)
+        if value is None or len(base) < MIN_BASELINE:
+            continue
+        median, mad, z = _robust(float(value), base)
+        out["baseline"][column] = {"median": median, "mad": mad}
+        if _unusual(float(value), median, z):
+            what, unit = MEASURES[column]
+            out["unusual"].append(_item(what, column, unit, value, median, z))
+    out["unusual"].extend(_kernels(conn, pid, step_seq, [r[0] for r in previous]))
+    out["unusual"].sort(key=lambda u: -u["z"])
+    return out
+
+
+def _item(what: str, measure: str, unit: str, value, median: float, z: float) -> dict:
+    ratio = round(float(value) / median, 2) if median > 0 else None
+    return {"what": what, "measure": measure, "unit": unit, "value": value, "baseline": median,
+            "ratio": ratio, "z": round(z, 2)}  # fmt: skip
+
+
+def _kernels(conn, pid: int, step_seq: int, previous: list[int]) -> list[dict]:
+    """Slow or extra GPU kernels of the step, by name, against the same names in the previous steps."""
+    if len(previous) < MIN_BASELINE:
+        return []
+    per = conn.execute(
+        """SELECT coalesce(external_id, step_seq) AS s, coalesce(name, probe) AS kernel, count(*) AS n,
+                  sum(coalesce(gpu_end_ns - gpu_start_ns, duration_ns)) AS ns
+           FROM gpu_ops WHERE pid = $pid AND coalesce(external_id, step_seq) IN (SELECT unnest($steps))
+           GROUP BY ALL""",
+        {"pid": pid, "steps": [step_seq, *previous]},
+    ).fetchall()
+    if not per:
+        return []
+    found: dict[str, dict[int, tuple[int, int]]] = {}
+    for s, kernel, n, ns in per:
+        found.setdefault(kernel, {})[s] = (n, ns or 0)
+    items = []
+    for kernel, by_step in found.items():
+        if step_seq not in by_step:
+            continue
+        n, ns = by_step[step_seq]
+        counts = np.asarray([by_step.get(s, (0, 0))[0] for s in previous], np.float64)
+        times = np.asarray([by_step.get(s, (0, 0))[1] for s in previous], np.float64)
+        if not counts.any():
+            items.append(_item(f"extra kernel: {kernel}", f"kernel:{kernel}", "count", n, 0.0, EXTRA_Z))
+            continue
+        checks = ((n, counts, "extra calls", "count"), (ns, times, "slow kernel", "ns"))
+        for value, base, what, unit in checks:
+            median, _mad, z = _robust(float(value), base)
+            if _unusual(float(value), median, z):
+                items.append(_item(f"{what}: {kernel}", f"kernel:{kernel}", unit, value, median, z))
+    return items
+
+
+def _fmt(value, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "ns":
+        return f"{value / 1e6:.2f} ms"
+    if unit == "bytes":
+        return f"{value / 1024:.1f} KiB" if value < 1 << 20 else f"{value / (1 << 20):.1f} MiB"
+    return f"{value:,.0f}"
+
+
+def describe(item: dict) -> str:
+    """One unusual item as words with its numbers."""
+    ratio = f", {item['ratio']:.1f}x" if item.get("ratio") else ""
+    value, baseline = _fmt(item["value"], item["unit"]), _fmt(item["baseline"], item["unit"])
+    return f"{item['what']}: {value} vs median {baseline}{ratio} (z {item['z']:.1f})"
+
+
+def summary(evidence: dict | None) -> str:
+    """One line: what is unusual about the step, or that nothing is."""
+    if evidence is None:
+        return "no evidence yet (the step is not rolled up)"
+    if evidence["baseline_steps"] < MIN_BASELINE:
+        return f"no baseline ({evidence['baseline_steps']} previous steps)"
+    if not evidence["unusual"]:
+        return f"nothing unusual in GPU/host work vs the previous {evidence['baseline_steps']} steps"
+    return "; ".join(describe(u) for u in evidence["unusual"])
+
+
+def refresh_evidence(conn: duckdb.DuckDBPyConnection, pid: int | None, since_ns: int) -> int:
+    """Fill (or refresh) the evidence of anomaly rows whose step is rolled up: those without evidence,
+    and those detected since `since_ns` (their rollup may still change as late events arrive).
+    Returns the anomaly rows updated."""
+    steps = conn.execute(
+        """SELECT DISTINCT a.pid, a.step_seq FROM anomalies a
+           JOIN step_rollups r ON r.pid = a.pid AND r.step_seq = a.step_seq
+           WHERE a.step_seq IS NOT NULL AND ($pid IS NULL OR a.pid = $pid)
+             AND (a.evidence IS NULL OR a.ts_ns >= $since)
+           ORDER BY a.step_seq LIMIT $limit""",
+        {"pid": pid, "since": since_ns, "limit": MAX_STEPS_PER_REFRESH},
+    ).fetchall()
+    updated = 0
+    for step_pid, step_seq in steps:
+        evidence = gather(conn, step_pid, step_seq)
+        if evidence is None:
+            continue
+        evidence["summary"] = summary(evidence)
+        updated += conn.execute(
+            "UPDATE anomalies SET evidence = ?, evidence_ns = ? WHERE pid = ? AND step_seq = ?",
+            [json.dumps(evidence, default=_json_number), clock.monotonic_ns(), step_pid, step_seq],
+        ).fetchall()[0][0]
+    return updated
+
+
+def _json_number(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"not JSON: {type(value).__name__}")
