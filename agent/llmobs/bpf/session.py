@@ -93,6 +93,9 @@ class Options:
     # one target of a fleet: the ring, the maps' reset, the sampling knobs and the tracepoints are the
     # fleet's (a tracepoint sees every process, so it is attached once for all targets)
     shared: bool = False
+    # measure each uprobe's per-hit cost before attaching (llmobs.governor.calibrate; ~0.1 s, once per
+    # agent process): what the overhead governor weighs hit rates with
+    calibrate: bool = False
 
 
 @dataclass
@@ -131,6 +134,9 @@ class AttachSession:
         self._closed = False
         self._final: dict | None = None
         self.process_age_at_start_s = _own_age_s(self.procfs)
+        self.calibration: dict = {}  # probe name -> llmobs.governor.calibrate.ProbeCost
+        self._uprobe_events: dict[str, list[bytes]] = {}  # probe name -> its uprobe events, for shedding
+        self.shed: dict[str, float] = {}  # probe name -> monotonic time the governor detached it
 
     # ---- start ------------------------------------------------------------------------------------------
     def check_target(self) -> list[MapEntry]:
@@ -178,6 +184,8 @@ class AttachSession:
             self.program = ProbeProgram(loadable)
         program = self.program
         available = {probe.name for probe in program.probes}
+        if self.options.calibrate:  # before the reset and drain below, which discard its own events
+            self._calibrate(program, available)
         if not self.options.shared:
             program.reset_maps()
             program.set_sampling(self.options.sample_n, self.options.sample_mode)
@@ -194,9 +202,13 @@ class AttachSession:
                     continue
                 try:
                     if probe.hook == "uprobe":
-                        program.attach_uprobe(
-                            by_name[probe.name], self.pid, self.attached, self.options.gemm_durations
-                        )
+                        before = len(self.attached.uprobe_events)
+                        try:
+                            program.attach_uprobe(
+                                by_name[probe.name], self.pid, self.attached, self.options.gemm_durations
+                            )
+                        finally:
+                            self._uprobe_events[probe.name] = self.attached.uprobe_events[before:]
                     elif self.options.shared:
                         pass  # attached once by the fleet; it sees this pid once set_target ran
                     else:
@@ -211,6 +223,15 @@ class AttachSession:
             self.close()
             raise
         self.stats.attached_after_s = time.monotonic() - self.stats.started_at
+
+    def _calibrate(self, program: ProbeProgram, available: set[str]) -> None:
+        from llmobs.governor.calibrate import calibrate
+
+        uprobes = [r for r in self.resolved if r.probe.name in available]
+        try:
+            self.calibration = calibrate(program, uprobes, self.options.gemm_durations)
+        except Exception as exc:  # the governor then estimates with documented defaults
+            self.notes.append(f"probe cost calibration failed: {exc}")
 
     def _nothing_message(self) -> str:
         reasons = "; ".join(f"{s.probe.name}: {s.reason}" for s in self.skipped[:4])
@@ -295,6 +316,34 @@ class AttachSession:
     def live_totals(self) -> dict[tuple[int, int, int], list[int]]:
         keys, values = self._read_aggregates()
         return self.totals.merged(keys, values)
+
+    # ---- the overhead governor: one uprobe off and on again ---------------------------------------------
+    def shed_probe(self, name: str) -> bool:
+        """Detaches the uprobe(s) of probe `name` for this pid, leaving every other probe attached. What it
+        counted so far stays in the exact totals. False when `name` is not an attached uprobe."""
+        events = self._uprobe_events.get(name)
+        if not events or name in self.shed or self._closed:
+            return False
+        problems = self.program.detach(Attached(uprobe_events=list(events)))
+        self.attached.uprobe_events = [ev for ev in self.attached.uprobe_events if ev not in events]
+        self._uprobe_events[name] = []
+        self.notes.extend(f"shedding {name}: {problem}" for problem in problems)
+        self.shed[name] = time.monotonic()
+        return True
+
+    def restore_probe(self, name: str) -> bool:
+        """Re-attaches a probe `shed_probe` detached, at the same site. False when it was not shed."""
+        if name not in self.shed or self._closed:
+            return False
+        resolved = next(r for r in self.resolved if r.probe.name == name)
+        attached = Attached()
+        try:
+            self.program.attach_uprobe(resolved, self.pid, attached, self.options.gemm_durations)
+        finally:  # whatever did attach is recorded, so close() or a later shed removes it
+            self.attached.uprobe_events.extend(attached.uprobe_events)
+            self._uprobe_events[name] = list(attached.uprobe_events)
+        del self.shed[name]
+        return True
 
     # ---- stop -------------------------------------------------------------------------------------------
     def _forget_pid(self) -> None:
