@@ -22,11 +22,13 @@
 #define LLMOBS_FLAG_TEACHER_FORCED  4                       /* step record flag */
 #define LLMOBS_FLAG_DEVICE_CUDA     8                       /* step record flag */
 #define LLMOBS_LAYER_ATTENTION_ENTROPY1                       /* layer record kind */
+#define LLMOBS_LAYER_MLP_VARIANCE   2                       /* layer record kind */
 #define LLMOBS_LAYER_KIND_MAX       16                      /* layer record kinds are below this */
 #define LLMOBS_HEAD_MEAN            (-1)                    /* layer record head: mean over heads */
 #define LLMOBS_CMD_NONE             0                       /* control command */
 #define LLMOBS_CMD_PING             1                       /* control command: acknowledge only */
 #define LLMOBS_CMD_COLLECT_CUPTI    2                       /* control command: CUPTI for cmd_arg steps */
+#define LLMOBS_CMD_DUMP_GRADIENTS   3                       /* control command: dump dL/dE up to step cmd_arg */
 #define LLMOBS_ACK_OK               0                       /* acknowledgement status */
 #define LLMOBS_ACK_UNSUPPORTED      1                       /* acknowledgement status */
 #define LLMOBS_ACK_UNKNOWN_COMMAND  2                       /* acknowledgement status */

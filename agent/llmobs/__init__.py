@@ -12,6 +12,9 @@ _LAZY = {
     "request": ("llmobs.publisher", "request"),
     "context": ("llmobs.publisher", "context"),
     "AttentionEntropy": ("llmobs.publisher_attention", "AttentionEntropy"),
+    "MlpVariance": ("llmobs.publisher_layers", "MlpVariance"),
+    "LayerStreams": ("llmobs.publisher_layers", "LayerStreams"),
+    "TrainingOptions": ("llmobs.publisher_train", "TrainingOptions"),
 }
 
 

@@ -64,6 +64,9 @@ class AttentionSampler:
         self.model = model
         self.policy = policy
         self.modules = attention_modules(model)
+        from llmobs.publisher_layers import attention_module_names
+
+        self.names = attention_module_names(model)  # registered in the map for root cause (kind 1)
         self.config = getattr(model, "config", None)
         self._handles: list = []
         self._captured: list = []
@@ -128,6 +131,9 @@ class AttentionSampler:
         lo = np.asarray(trace_lo, dtype=np.uint64)
         if hi.size != batch:  # rows that are not the request's rows: attribute them all to row 0
             hi, lo = np.full(batch, hi.flat[0], np.uint64), np.full(batch, lo.flat[0], np.uint64)
+        from llmobs.publisher_layers import publish_module_names
+
+        publish_module_names(writer, layout.LAYER_ATTENTION_ENTROPY, self.names)
         writer.publish_layers(
             values, step_seq=step_seq, kind=layout.LAYER_ATTENTION_ENTROPY, trace_hi=hi[row],
             trace_lo=lo[row], batch_row=row, layer=layer, head=head,

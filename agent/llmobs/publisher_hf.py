@@ -8,7 +8,9 @@ Two forward hooks on the model and a wrapper around its `generate`:
   predicts labels[:, t+1]; label -100 = no target, published with NaN loss).
 - inside `with llmobs.request(...)`: the pre-hook begins the request's step, `req.step` publishes.
 With attention_entropy=AttentionEntropy(every=N) (llmobs.publisher_attention), every N-th forward pass
-also publishes each layer's attention entropy to the map's layer-stream ring; off by default.
+also publishes each layer's attention entropy to the map's layer-stream ring; mlp_variance=MlpVariance(N)
+each layer's MLP output variance, layer_streams=LayerStreams(every=N) both (llmobs.publisher_layers).
+All off by default. training=True (llmobs.publisher_train) keeps dL/dE of training steps on the device.
 Hooks never raise into the workload: failures are counted (llmobs.publisher.errors).
 """
 
@@ -78,11 +80,17 @@ def _input_ids(args, kwargs):
 class Instrumented:
     """Handle returned by instrument(); .remove() undoes it."""
 
-    def __init__(self, model, model_id: str, labels: bool, measure: bool = False, attention_entropy=None):
-        from llmobs.publisher_attention import AttentionSampler, as_policy
+    def __init__(self, model, model_id: str, labels: bool, measure: bool = False, attention_entropy=None,
+                 mlp_variance=None, layer_streams=None, training=None):  # fmt: skip
+        from llmobs.publisher_layers import build_samplers
 
-        policy = as_policy(attention_entropy)
-        self.attention = AttentionSampler(model, policy) if policy is not None else None
+        # self.attention: the attention sampler alone (or None); self.layers drives every layer stream
+        self.attention, self.layers = build_samplers(model, attention_entropy, mlp_variance, layer_streams)
+        self.training = None
+        if training:
+            from llmobs.publisher_train import TrainingRecorder
+
+            self.training = TrainingRecorder.for_model(model, training)
         self.model = model
         self.model_id = model_id
         self.labels = labels
@@ -100,8 +108,10 @@ class Instrumented:
         model._llmobs_instrumented = self
 
     def remove(self) -> None:
-        if self.attention is not None:
-            self.attention.abort()
+        if self.layers is not None:
+            self.layers.abort()
+        if self.training is not None:
+            self.training.remove()
         for h in self._handles:
             h.remove()
         if self._orig_generate is None:
@@ -172,15 +182,15 @@ class Instrumented:
                 if gen.pending is not None and ids is not None:
                     gen.finish(ids[:, -1])  # this forward's input is the token the previous step chose
                 seq = gen.req.begin_step(kv_len=_kv_len(kwargs))
-                if self.attention is not None:
-                    self.attention.begin(seq, gen.req._hi_list, gen.req._lo_list)
+                if self.layers is not None:
+                    self.layers.begin(seq, gen.req._hi_list, gen.req._lo_list)
                 return None
             req = publisher.active_request()
             if req is not None:
                 if not req.in_step:
                     req.begin_step(kv_len=_kv_len(kwargs))
-                if self.attention is not None:
-                    self.attention.begin(req._step_seq, req._hi_list, req._lo_list)
+                if self.layers is not None:
+                    self.layers.begin(req._step_seq, req._hi_list, req._lo_list)
                 return None
             if self.labels and kwargs.get("labels") is not None:
                 self._begin_labels(args, kwargs)
@@ -190,8 +200,8 @@ class Instrumented:
 
     def _post(self, module, args, kwargs, output):
         try:
-            if self.attention is not None:
-                self.attention.end(publisher.get_writer())
+            if self.layers is not None:
+                self.layers.end(publisher.get_writer())
             gen = _generating.get()
             if gen is not None:  # the target-free passes now, while the logits are hot in cache
                 from llmobs.publisher_math import prepare
@@ -218,8 +228,8 @@ class Instrumented:
         model_h = w.name(layout.NAME_MODEL, self.request_model_id())
         t0 = time.monotonic_ns()
         seq = w.begin_step(words[0][0], words[0][1], tenant_h, session_h)
-        if self.attention is not None:
-            self.attention.begin(seq, [x[0] for x in words], [x[1] for x in words])
+        if self.layers is not None:
+            self.layers.begin(seq, [x[0] for x in words], [x[1] for x in words])
         self._labels_state.set((seq, t0, ids, labels, words, tenant_h, session_h, model_h))
 
     def _publish_labels(self, state, logits) -> None:
@@ -229,7 +239,7 @@ class Instrumented:
         b, t, v = logits.shape
         if t < 2:
             return
-        lg = logits[:, :-1].reshape(-1, v)
+        lg = logits.detach()[:, :-1].reshape(-1, v)  # training: the metrics stay out of the autograd graph
         targets = labels[:, 1:].reshape(-1).to(lg.device)
         tokens = ids[:, 1:].reshape(-1).to(lg.device)
         block = device_block(lg, targets, tokens)
@@ -255,6 +265,9 @@ def instrument(
     labels: bool = True,
     measure: bool = False,
     attention_entropy=None,
+    mlp_variance=None,
+    layer_streams=None,
+    training=False,
 ) -> Instrumented:
     """Publish every token step of a Hugging Face causal LM (generate() and forward with labels).
 
@@ -262,7 +275,11 @@ def instrument(
     the HF API and used only to name the model when the config has no name. measure=True adds up the
     CPU time the hooks take in `.cpu_ns` (for benchmarks). attention_entropy=llmobs.AttentionEntropy(every=N,
     per_head=False) or an int N publishes each layer's attention entropy on every N-th forward pass (off
-    by default: nothing is installed). Idempotent per model."""
+    by default: nothing is installed). mlp_variance=llmobs.MlpVariance(every=N) (or N) publishes each layer's
+    MLP output variance likewise; layer_streams=llmobs.LayerStreams(every=N, attention=True, mlp=True,
+    per_head=False) switches both on together. training=True (or llmobs.TrainingOptions) keeps the gradient of
+    the loss w.r.t. the input embeddings of every training step in a device ring (llmobs.publisher_train).
+    Idempotent per model."""
     existing = model.__dict__.get("_llmobs_instrumented")
     if existing is not None:
         return existing
@@ -274,7 +291,8 @@ def instrument(
     from llmobs.shm.writer import get_writer
 
     get_writer().set_model(model_id)  # the map exists from now on: an agent can attach before any token
-    inst = Instrumented(model, model_id, labels, measure, attention_entropy)
+    inst = Instrumented(model, model_id, labels, measure, attention_entropy, mlp_variance, layer_streams,
+                        training)  # fmt: skip
     publish_process_context(model_id=model_id)
     from llmobs.cupti import install as install_cupti
 

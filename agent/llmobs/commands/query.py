@@ -15,6 +15,7 @@ from llmobs.store.sink import DuckDBStore
 EXAMPLES = """examples:
   llmobs-agent query --slowest-steps -n 10 --tenant acme
   llmobs-agent query --by-tenant --format csv
+  llmobs-agent query --anomaly-correlation
   llmobs-agent query "SELECT tenant, count(*) FROM token_steps GROUP BY tenant"
 """
 USAGE_HINT = "llmobs-agent query --help lists the canned views; SQL goes in one quoted argument"
@@ -31,6 +32,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     views_group.add_argument("--top-probes", action="store_true", help="probes by count (exact where kept)")
     views_group.add_argument("--by-tenant", action="store_true", help="tokens, latency p50/p99, concurrency")
     views_group.add_argument("--by-session", action="store_true", help="the same per (tenant, session)")
+    views_group.add_argument(
+        "--anomaly-correlation", action="store_true", help="layer streams vs loss anomalies"
+    )
     parser.add_argument("-n", "--limit", type=int, default=20, help="rows for --slowest-steps/--top-probes")
     parser.add_argument("--tenant", help="only this tenant (canned views)")
     parser.add_argument("--session", help="only this session (canned views)")
@@ -45,16 +49,37 @@ def _statement(args: argparse.Namespace) -> tuple[str, dict | None]:
         return views.by_tenant(args.tenant)
     if args.by_session:
         return views.by_session(args.tenant, args.session)
+    if args.anomaly_correlation:
+        from llmobs.diagnostics.correlation import matrix_sql
+
+        return matrix_sql()
     if args.sql:
         return args.sql, None
     raise StoreError("nothing to run: give SQL or a canned view", hint=USAGE_HINT)
 
 
+def _refuse_unapplied_filters(args: argparse.Namespace) -> None:
+    """A --tenant/--session the statement cannot apply is an error, never silently ignored: a caller
+    scoping a query to one tenant must not get every tenant's rows back (issue 8, security)."""
+    if args.tenant is not None and not (args.slowest_steps or args.by_tenant or args.by_session):
+        raise StoreError(
+            "--tenant filters only --slowest-steps, --by-tenant and --by-session",
+            hint="in SQL, filter with WHERE tenant = '...'",
+        )
+    if args.session is not None and not (args.slowest_steps or args.by_session):
+        raise StoreError(
+            "--session filters only --slowest-steps and --by-session",
+            hint="in SQL, filter with WHERE session = '...'",
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.sql and (args.slowest_steps or args.top_probes or args.by_tenant or args.by_session):
+    views = (args.slowest_steps, args.top_probes, args.by_tenant, args.by_session, args.anomaly_correlation)
+    if args.sql and any(views):
         raise StoreError("give either SQL or a canned view, not both", hint=USAGE_HINT)
     if args.limit <= 0:
         raise StoreError("-n must be at least 1", hint=USAGE_HINT)
+    _refuse_unapplied_filters(args)
     sql, params = _statement(args)
     with DuckDBStore(args.db or default_db_path(), read_only=True) as store:
         try:

@@ -28,6 +28,7 @@ from llmobs.bpf.profiles import PROBES
 from llmobs.correlate import CorrelateStats, correlate
 from llmobs.diagnostics.detectors import DetectorConfig
 from llmobs.diagnostics.live import LiveAnomalies
+from llmobs.diagnostics.training import TrainingMonitor, artifacts_dir_for
 from llmobs.pipeline.live import LiveStats, remove_snapshot, snapshot_path, write_snapshot
 from llmobs.pipeline.sources import BpfSource, ShmSource
 from llmobs.procfs import ProcFS
@@ -147,6 +148,8 @@ class Pipeline:
             self.last_error = str(exc)
         # token-loss anomalies: scored as steps arrive, committed at once (None: detectors off)
         self.anomalies = LiveAnomalies(store, detector) if detector is not None else None
+        # training-step loss spikes and their dL/dE heatmaps (rows written straight to the store)
+        self.training = TrainingMonitor(pid, store.export, artifacts_dir_for(store.path), self.shm.shm_dir)
         self._correlator.start()
 
     @classmethod
@@ -197,13 +200,18 @@ class Pipeline:
                 self._pending_since = oldest
         self.live.add_steps(steps)
         self._fan_out({"token_steps": steps})
+        self.training.add_steps(steps)
         if self.anomalies is not None:
             self.anomalies.add(steps)
         return len(steps["step_seq"])
 
     def _add_layers(self, layers: dict | None) -> None:
         if layers is not None:
-            self._fan_out({"layer_streams": layers})
+            batch = {"layer_streams": layers}
+            modules = self.shm.poll_modules()  # module names come just before their first records
+            if modules is not None:
+                batch["layer_modules"] = modules
+            self._fan_out(batch)
 
     def _hand_aggregates(self, table: pa.Table | None = None) -> None:
         if table is None and self.bpf is not None:
@@ -294,6 +302,7 @@ class Pipeline:
         # for even if no poll ran yet: a Ctrl-C right after attaching must not lose what the map holds.
         self._add_steps(self.shm.drain())
         self._add_layers(self.shm.drain_layers())
+        self.training.close(CLOSE_TIMEOUT_S)  # the last step scored, pending heatmaps done (bounded)
         if self.bpf is not None and final is not None:
             self._hand_aggregates(self.bpf._deltas(final.get("totals", {})))
         self._stop.set()

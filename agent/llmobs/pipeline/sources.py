@@ -38,6 +38,7 @@ class ShmSource:
         self.cursor = 0
         self.layers_cursor = 0
         self.layer_rows = 0  # layer-stream records returned
+        self._modules: set[tuple[int, int, str]] = set()  # layer-stream module names already returned
         self.steps = 0  # token steps returned
         self.lost = 0  # overwritten in the ring before we read them
         self.corrupt = 0
@@ -122,6 +123,29 @@ class ShmSource:
         columns = dict(batch.columns)
         columns["ts_ns"] = np.full(len(batch), clock.monotonic_ns(), np.int64)
         return columns
+
+    def poll_modules(self) -> dict | None:
+        """layer_modules rows for the layer-stream module names (names-ring `module:` records) seen for
+        the first time since the last call; the names are folded in by the steps' poll."""
+        if self.reader is None:
+            return None
+        from llmobs.publisher_layers import parse_module_name
+
+        fresh = []
+        for text in list(self.reader.names.values()):
+            parsed = parse_module_name(text)
+            if parsed is not None and parsed not in self._modules:
+                self._modules.add(parsed)
+                fresh.append(parsed)
+        if not fresh:
+            return None
+        return {
+            "pid": np.full(len(fresh), self.pid, np.int32),
+            "kind": np.array([f[0] for f in fresh], np.int32),
+            "layer": np.array([f[1] for f in fresh], np.int32),
+            "module": [f[2] for f in fresh],
+            "ts_ns": np.full(len(fresh), clock.monotonic_ns(), np.int64),
+        }
 
     def drain_layers(self) -> dict | None:
         """Every layer record still unread (for close)."""

@@ -39,13 +39,15 @@ FLAG_DEVICE_CUDA = 1 << 3  # the metrics were computed on a CUDA device and copi
 
 # layer-stream record kinds (the metric a record carries); values below LAYER_KIND_MAX are accepted
 LAYER_ATTENTION_ENTROPY = 1  # Shannon entropy (nats) of the newest query's attention probabilities
-LAYER_KIND_MAX = 16  # room for later kinds (e.g. 2 = MLP activation variance) without an ABI bump
+LAYER_MLP_VARIANCE = 2  # population variance over the hidden dim of the MLP output at the newest position
+LAYER_KIND_MAX = 16  # room for later kinds without an ABI bump
 HEAD_MEAN = -1  # layer record head: the value is the mean over the layer's heads
 
 # control block commands (agent -> workload) and acknowledgement statuses (workload -> agent)
 CMD_NONE = 0
 CMD_PING = 1  # acknowledge only: proves the workload polls its control block
 CMD_COLLECT_CUPTI = 2  # collect CUPTI activity records for cmd_arg token steps
+CMD_DUMP_GRADIENTS = 3  # training: dump dL/dE up to step_seq cmd_arg to <map>.dLdE.<ack_step_seq>.npz
 ACK_OK = 0
 ACK_UNSUPPORTED = 1  # the command is known but nothing in this process can carry it out
 ACK_UNKNOWN_COMMAND = 2
@@ -340,11 +342,13 @@ C_CONSTANTS: list[tuple[str, int, str]] = [
     ("LLMOBS_FLAG_TEACHER_FORCED", FLAG_TEACHER_FORCED, "step record flag"),
     ("LLMOBS_FLAG_DEVICE_CUDA", FLAG_DEVICE_CUDA, "step record flag"),
     ("LLMOBS_LAYER_ATTENTION_ENTROPY", LAYER_ATTENTION_ENTROPY, "layer record kind"),
+    ("LLMOBS_LAYER_MLP_VARIANCE", LAYER_MLP_VARIANCE, "layer record kind"),
     ("LLMOBS_LAYER_KIND_MAX", LAYER_KIND_MAX, "layer record kinds are below this"),
     ("LLMOBS_HEAD_MEAN", HEAD_MEAN, "layer record head: mean over heads"),
     ("LLMOBS_CMD_NONE", CMD_NONE, "control command"),
     ("LLMOBS_CMD_PING", CMD_PING, "control command: acknowledge only"),
     ("LLMOBS_CMD_COLLECT_CUPTI", CMD_COLLECT_CUPTI, "control command: CUPTI for cmd_arg steps"),
+    ("LLMOBS_CMD_DUMP_GRADIENTS", CMD_DUMP_GRADIENTS, "control command: dump dL/dE up to step cmd_arg"),
     ("LLMOBS_ACK_OK", ACK_OK, "acknowledgement status"),
     ("LLMOBS_ACK_UNSUPPORTED", ACK_UNSUPPORTED, "acknowledgement status"),
     ("LLMOBS_ACK_UNKNOWN_COMMAND", ACK_UNKNOWN_COMMAND, "acknowledgement status"),

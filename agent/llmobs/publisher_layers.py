@@ -1,0 +1,222 @@
+"""Layer streams beyond attention entropy: MLP output variance per layer (kind 2), and the policy object
+that switches every layer stream on together (`llmobs.LayerStreams`).
+
+MLP variance: on a sampled forward pass only, a forward hook on each layer's MLP module (GPT-2
+`transformer.h.N.mlp`, Llama `model.layers.N.mlp`) takes the variance over the hidden dimension of the
+MLP's output at the newest position of each batch row (population variance, torch.var(correction=0),
+float32, on the model's device). Hooks are installed for the sampled pass and removed when it returns,
+so unsampled passes run the model exactly as without the policy. The values reach the map's
+layer-stream ring with the same single non-blocking copy as attention entropy
+(llmobs.shm.writer.ShmWriter.publish_layers).
+
+Module names: the store must name the module a stream comes from (root cause prints
+`transformer.h.1.mlp`, not "layer 1 kind 2"), and the naming differs per architecture. So the
+publisher registers each stream's real qualified name (from model.named_modules()) in the map's names
+ring as a NAME_OTHER record `module:<kind>:<layer>:<qualified name>`; the agent folds those into the
+store's `layer_modules` table. They are re-published on sampled passes only if the names ring has
+overwritten them (ShmWriter.name keeps that check to one dict lookup).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from llmobs.shm import layout
+
+MODULE_NAME_PREFIX = "module:"  # names-ring text of a layer-stream module: module:<kind>:<layer>:<name>
+_LAYER_INDEX = re.compile(r"\.(\d+)\.[A-Za-z_]+$")  # "....h.3.mlp" -> 3
+
+
+@dataclass(frozen=True)
+class MlpVariance:
+    """Sampling policy for MLP output variance: measure on forward passes whose step_seq % every == 0."""
+
+    every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"MlpVariance(every={self.every}): every must be >= 1")
+
+
+@dataclass(frozen=True)
+class LayerStreams:
+    """Every layer stream under one policy: attention entropy and/or MLP variance every N-th pass."""
+
+    every: int = 1
+    attention: bool = True
+    mlp: bool = True
+    per_head: bool = False
+
+    def __post_init__(self) -> None:
+        if self.every < 1:
+            raise ValueError(f"LayerStreams(every={self.every}): every must be >= 1")
+
+
+def as_mlp_policy(value) -> MlpVariance | None:
+    """None/False/0 = off; an int N = MlpVariance(every=N); a policy as is."""
+    if value is None or value is False or (isinstance(value, int) and value == 0):
+        return None
+    if isinstance(value, MlpVariance):
+        return value
+    if isinstance(value, int):
+        return MlpVariance(every=value)
+    raise TypeError(f"mlp_variance must be None, an int or llmobs.MlpVariance, not {value!r}")
+
+
+def _layer_of(name: str) -> int | None:
+    match = _LAYER_INDEX.search(name)
+    return int(match.group(1)) if match else None
+
+
+def mlp_modules(model) -> list[tuple[str, object]]:
+    """(qualified name, module) of each decoder layer's MLP, in layer order: a submodule named `mlp`
+    directly under a numbered layer (`....<N>.mlp`), which is how GPT-2, Llama, Mistral, Qwen name it."""
+    found = []
+    for name, module in model.named_modules():
+        if name.endswith(".mlp") and (layer := _layer_of(name)) is not None:
+            found.append((layer, name, module))
+    found.sort(key=lambda x: x[0])
+    return [(name, module) for _, name, module in found]
+
+
+def attention_module_names(model) -> list[str]:
+    """Qualified names of the self-attention modules, in the order AttentionSampler measures them."""
+    from llmobs.publisher_attention import attention_modules
+
+    names = {id(m): n for n, m in model.named_modules()}
+    return [names.get(id(m), f"layer.{i}.attention") for i, m in enumerate(attention_modules(model))]
+
+
+def newest_position_variance(output):
+    """MLP output [B, T, D] (or [B, D]) -> population variance over D at the last position, [B] float32."""
+    hidden = output[0] if isinstance(output, tuple) else output
+    last = hidden[:, -1, :] if hidden.dim() == 3 else hidden
+    return last.detach().float().var(dim=-1, correction=0)
+
+
+class MlpSampler:
+    """Installs the MLP hooks on sampled forward passes and publishes what they captured (kind 2)."""
+
+    def __init__(self, model, every: int):
+        self.every = every
+        named = mlp_modules(model)
+        self.names = [n for n, _ in named]
+        self.modules = [m for _, m in named]
+        self._handles: list = []
+        self._captured: list = []
+        self._step = None  # (step_seq, trace_hi, trace_lo) of the sampled pass in flight
+
+    def begin(self, step_seq: int, trace_hi, trace_lo) -> None:
+        self.abort()  # a forward that raised last time never reached end()
+        if step_seq % self.every or not self.modules:
+            return
+        self._captured = [None] * len(self.modules)
+        for i, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._hook(i)))
+        self._step = (step_seq, trace_hi, trace_lo)
+
+    def _hook(self, index: int):
+        def capture(module, args, output):
+            self._captured[index] = newest_position_variance(output)
+
+        return capture
+
+    def abort(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._step = None
+
+    def end(self, writer) -> None:
+        step = self._step
+        self.abort()
+        captured, self._captured = self._captured, []
+        if step is None or not captured or any(c is None for c in captured):
+            return
+        import torch
+
+        step_seq, trace_hi, trace_lo = step
+        per_layer = torch.stack(captured)  # [L, B]
+        n_layers, batch = per_layer.shape
+        row = np.tile(np.arange(batch, dtype=np.int32), n_layers)
+        layer = np.repeat(np.arange(n_layers, dtype=np.int32), batch)
+        hi, lo = _row_traces(trace_hi, trace_lo, batch)
+        publish_module_names(writer, layout.LAYER_MLP_VARIANCE, self.names)
+        writer.publish_layers(
+            per_layer.reshape(-1), step_seq=step_seq, kind=layout.LAYER_MLP_VARIANCE, trace_hi=hi[row],
+            trace_lo=lo[row], batch_row=row, layer=layer, head=layout.HEAD_MEAN,
+        )  # fmt: skip
+
+
+def _row_traces(trace_hi, trace_lo, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    hi = np.asarray(trace_hi, dtype=np.uint64)
+    lo = np.asarray(trace_lo, dtype=np.uint64)
+    if hi.size != batch:  # rows that are not the request's rows: attribute them all to row 0
+        hi, lo = np.full(batch, hi.flat[0], np.uint64), np.full(batch, lo.flat[0], np.uint64)
+    return hi, lo
+
+
+def publish_module_names(writer, kind: int, names: list[str]) -> None:
+    """Register `module:<kind>:<layer>:<name>` for each layer (a dict lookup each once published)."""
+    for layer, name in enumerate(names):
+        writer.name(layout.NAME_OTHER, f"{MODULE_NAME_PREFIX}{kind}:{layer}:{name}")
+
+
+def parse_module_name(text: str) -> tuple[int, int, str] | None:
+    """(kind, layer, qualified name) of a `module:` name record; None for any other name."""
+    if not text.startswith(MODULE_NAME_PREFIX):
+        return None
+    parts = text[len(MODULE_NAME_PREFIX) :].split(":", 2)
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or not parts[2]:
+        return None
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
+class Samplers:
+    """The layer-stream samplers of one instrumented model, driven together by its hooks."""
+
+    def __init__(self, samplers: list):
+        self.samplers = samplers
+
+    def begin(self, step_seq: int, trace_hi, trace_lo) -> None:
+        for s in self.samplers:
+            s.begin(step_seq, trace_hi, trace_lo)
+
+    def end(self, writer) -> None:
+        for s in self.samplers:
+            s.end(writer)
+
+    def abort(self) -> None:
+        for s in self.samplers:
+            s.abort()
+
+
+def build_samplers(model, attention_entropy=None, mlp_variance=None, layer_streams=None):
+    """(attention sampler or None, Samplers or None) for instrument()'s policy arguments.
+
+    layer_streams=LayerStreams(...) (or an int N: every stream every N-th pass) sets attention and MLP
+    together; attention_entropy / mlp_variance set one stream each and win over layer_streams."""
+    from llmobs.publisher_attention import AttentionEntropy, AttentionSampler, as_policy
+
+    if isinstance(layer_streams, int) and not isinstance(layer_streams, bool) and layer_streams:
+        layer_streams = LayerStreams(every=layer_streams)
+    if layer_streams not in (None, False, 0) and not isinstance(layer_streams, LayerStreams):
+        raise TypeError(f"layer_streams must be None, an int or llmobs.LayerStreams, not {layer_streams!r}")
+    attention = as_policy(attention_entropy)
+    mlp = as_mlp_policy(mlp_variance)
+    if isinstance(layer_streams, LayerStreams):
+        if attention is None and layer_streams.attention:
+            attention = AttentionEntropy(every=layer_streams.every, per_head=layer_streams.per_head)
+        if mlp is None and layer_streams.mlp:
+            mlp = MlpVariance(every=layer_streams.every)
+    samplers = []
+    attention_sampler = None
+    if attention is not None:
+        attention_sampler = AttentionSampler(model, attention)
+        samplers.append(attention_sampler)
+    if mlp is not None:
+        samplers.append(MlpSampler(model, mlp.every))
+    return attention_sampler, (Samplers(samplers) if samplers else None)
