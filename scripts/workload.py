@@ -22,6 +22,8 @@ For the loss-anomaly detectors (tests/bpf/test_diag_detect_e2e.py, scripts/bench
   --spike-steps 20,40 a known fault: at these token indices of every request generate() picks the
                       token the model finds least likely (a logits processor), so the published loss
                       of that step jumps (the model's own logits are untouched)
+  --spike-alloc-bytes B  the fault also allocates and touches B bytes in that step (host evidence:
+                      an allocation burst and page faults on the spike's forward pass)
 The last line on stdout is a JSON summary: pid, requests, tokens, seconds, tokens_per_s, map.
 """
 
@@ -117,11 +119,15 @@ class LeastLikelyAt:
     """Logits processor: at the chosen token indices of the request, only the least likely token can be
     chosen (a sampling fault the detectors must see as a loss spike)."""
 
-    def __init__(self, steps: set[int], prompt_len: int):
-        self.steps, self.prompt_len = steps, prompt_len
+    def __init__(self, steps: set[int], prompt_len: int, alloc_bytes: int = 0):
+        self.steps, self.prompt_len, self.alloc_bytes = steps, prompt_len, alloc_bytes
 
     def __call__(self, input_ids, scores):
         if input_ids.shape[1] - self.prompt_len in self.steps:
+            if self.alloc_bytes:  # still inside the step's tag: the next forward has not begun
+                import torch
+
+                torch.empty(self.alloc_bytes, dtype=torch.uint8).fill_(1)  # every page touched
             # tokens other processors ruled out (-inf: eos under min_new_tokens) stay out
             worst = scores.masked_fill(scores == float("-inf"), float("inf")).argmin(dim=-1, keepdim=True)
             forced = scores.new_full(scores.shape, float("-inf"))
@@ -136,12 +142,13 @@ def generate_once(
     max_new_tokens: int,
     logits: bool = False,
     spikes: set[int] = frozenset(),
+    spike_alloc: int = 0,
 ):
     import torch
     from transformers import LogitsProcessorList
 
     ids, mask = encode(tokenizer, prompts)
-    processors = LogitsProcessorList([LeastLikelyAt(spikes, ids.shape[1])] if spikes else [])
+    processors = LogitsProcessorList([LeastLikelyAt(spikes, ids.shape[1], spike_alloc)] if spikes else [])
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
@@ -204,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--spike-steps", default="", help="token indices (e.g. 20,40) where the least likely token is chosen"
     )
+    p.add_argument("--spike-alloc-bytes", type=int, default=0, help="the fault also allocates B bytes")
     return p
 
 
@@ -259,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
 
                 with llmobs.context(tenant=tenants[n % len(tenants)], session=session):
                     ids, out = generate_once(
-                        model, tokenizer, prompts, args.max_new_tokens, bool(record), spikes
+                        model,
+                        tokenizer,
+                        prompts,
+                        args.max_new_tokens,
+                        bool(record),
+                        spikes,
+                        args.spike_alloc_bytes,
                     )
                 if record:
                     chosen, losses = own_losses(ids, out)

@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("llmobs.commands.trace", "collect CUPTI GPU activity of a process for K token steps"),
     "top": ("llmobs.commands.top", "live view of attached processes: tokens/s, latency, loss, work per step"),
     "demo": ("llmobs.commands.demo", "run SmolLM2 under the agent; per-token report, trace, plot"),
+    "explain": ("llmobs.commands.explain", "one token step: loss, detector verdicts, evidence, root cause"),
     "run": ("llmobs.commands.run", "the host daemon: discover, attach, store and export (systemd service)"),
 }
 

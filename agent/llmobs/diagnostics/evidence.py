@@ -41,14 +41,18 @@ MEASURES: dict[str, tuple[str, str]] = {
 # would otherwise make any change infinitely unusual; with the floor a step must move by more than
 # Z_UNUSUAL / 0.6745 * 5% (~26%) of the median, and by RATIO_UNUSUAL, to be called unusual.
 MAD_FLOOR_FRACTION = 0.05
+# ... and an absolute floor per unit: what is too small to call a change at all. Counts of a baseline
+# that never moved (the kernels of a decode step are deterministic) may move by one: the ratio test
+# then decides (2 calls of a kernel where every previous step had 1 is unusual; 4 faults for 3 is not).
+UNIT_FLOOR = {"ns": 1_000.0, "bytes": 4096.0, "count": 0.1}
 EXTRA_Z = 99.0  # the rank of a kernel the baseline steps never ran: above any measured z
 
 
-def _robust(value: float, base: np.ndarray) -> tuple[float, float, float]:
+def _robust(value: float, base: np.ndarray, unit: str) -> tuple[float, float, float]:
     """(median, MAD, robust z of value) of a baseline."""
     median = float(np.median(base))
     mad = float(np.median(np.abs(base - median)))
-    floor = max(mad, abs(median) * MAD_FLOOR_FRACTION, 1.0)
+    floor = max(mad, abs(median) * MAD_FLOOR_FRACTION, UNIT_FLOOR[unit])
     return median, mad, 0.6745 * (value - median) / floor
 
 
@@ -79,7 +83,7 @@ def gather(
         base = np.asarray([r[1 + i] for r in previous if r[1 + i] is not None], np.float64)
         if value is None or len(base) < MIN_BASELINE:
             continue
-        median, mad, z = _robust(float(value), base)
+        median, mad, z = _robust(float(value), base, MEASURES[column][1])
         out["baseline"][column] = {"median": median, "mad": mad}
         if _unusual(float(value), median, z):
             what, unit = MEASURES[column]
@@ -123,7 +127,7 @@ def _kernels(conn, pid: int, step_seq: int, previous: list[int]) -> list[dict]:
             continue
         checks = ((n, counts, "extra calls", "count"), (ns, times, "slow kernel", "ns"))
         for value, base, what, unit in checks:
-            median, _mad, z = _robust(float(value), base)
+            median, _mad, z = _robust(float(value), base, unit)
             if _unusual(float(value), median, z):
                 items.append(_item(f"{what}: {kernel}", f"kernel:{kernel}", unit, value, median, z))
     return items
@@ -143,7 +147,8 @@ def describe(item: dict) -> str:
     """One unusual item as words with its numbers."""
     ratio = f", {item['ratio']:.1f}x" if item.get("ratio") else ""
     value, baseline = _fmt(item["value"], item["unit"]), _fmt(item["baseline"], item["unit"])
-    return f"{item['what']}: {value} vs median {baseline}{ratio} (z {item['z']:.1f})"
+    z = f"z {item['z']:.1f}" if item["z"] < 1000 else "z > 999"
+    return f"{item['what']}: {value} vs median {baseline}{ratio} ({z})"
 
 
 def summary(evidence: dict | None) -> str:
