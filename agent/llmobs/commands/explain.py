@@ -265,9 +265,9 @@ def _num(value, fmt: str = ".3f") -> str:
     )
 
 
-def print_report(report: dict, out=sys.stdout) -> None:
+def print_report(report: dict, out=None) -> None:
     r, s, c, d = report["request"], report["step"], report["context"], report["detectors"]
-    w = out.write
+    w = (out or sys.stdout).write
     w(f"trace {r['trace_id']}  pid {r['pid']}  request first_step_seq {r['first_step_seq']}"
       f"  row {r['batch_row']}  ({r['tokens']} tokens; tenant {r['tenant']}, session {r['session']},"
       f" model {r['model_id']})\n")  # fmt: skip
