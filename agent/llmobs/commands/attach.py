@@ -19,6 +19,7 @@ from llmobs.errors import MissingLibrary
 # every 100 ms while a drain brings less than 1% of the ring (the ring then holds > 10 s of events):
 # fewer wake-ups of the agent, which on a busy host take a core from the workload.
 DRAIN_PERIOD_S = (0.02, 0.1)
+GOVERNOR_TICK_S = 1.0  # the overhead governor and the agent's self-telemetry run once a second
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +73,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="GLOB",
         help="device files whose ioctls the host profile times (default /dev/nvidia*)",
     )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=1.0,
+        metavar="PCT",
+        help="overhead budget: the estimated slowdown of the workload the probes may cause, in percent "
+        "(default 1); above it the costliest uprobes are detached and re-attached when load drops. "
+        "0 = governor off (see docs/governor.md)",
+    )
     parser.add_argument("--status-interval", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
 
 
@@ -85,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.sample < 1:
         print("error: --sample must be >= 1", file=sys.stderr)
+        return 2
+    if not 0 <= args.budget <= 100:
+        print("error: --budget must be a percentage between 0 (governor off) and 100", file=sys.stderr)
         return 2
     if args.ebpf:
         return _print_ebpf(args, profiles)
@@ -125,6 +138,7 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         sample_mode=args.sample_mode,
         ioctl_paths=args.ioctl_paths,
         gemm_durations=args.gemm_durations,
+        calibrate=args.budget > 0,
     )
     session = AttachSession(args.pid, options)
     stop = {"reason": None}
@@ -133,11 +147,12 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         stop["reason"] = signal.Signals(signum).name
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    writer = pipeline = exporter = None
+    writer = pipeline = exporter = governor = telemetry = None
     otlp = _otlp_config(args)  # validated before attaching: a bad endpoint fails fast, with no probe left
     try:
         session.start()
         report.attached(session)
+        governor, telemetry = _start_governor(args, session)
         _remove_stale_maps()  # once attached: a refused attach prints its one error line and nothing else
         if args.db is not None or otlp is not None:
             pipeline = _open_pipeline(args, session)
@@ -145,10 +160,14 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
             from llmobs.otlp import start_exporter
 
             exporter = start_exporter(pipeline.store, otlp)
+            telemetry.track_exporter(exporter)
+        if pipeline:
+            telemetry.track_pipeline(pipeline)
         if args.out:
             writer = ParquetEventWriter(companion_paths(args.out)[0], args.sample)
         status = report.StatusLine(session, args.status_interval)
         deadline = time.monotonic() + args.duration if args.duration else None
+        next_tick = time.monotonic() + GOVERNOR_TICK_S
         while stop["reason"] is None:
             events = session.poll()
             if writer:
@@ -156,6 +175,9 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
             if pipeline:
                 pipeline.poll(events)
             status.add(events)
+            if time.monotonic() >= next_tick:
+                next_tick = time.monotonic() + GOVERNOR_TICK_S
+                _govern(session, governor, telemetry, pipeline, exporter)
             if not session.target_alive():
                 stop["reason"] = "target exited"
             elif deadline and time.monotonic() >= deadline:
@@ -176,6 +198,11 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
             signal.signal(sig, handler)
     status.finish()
     summary = report.summary(session, final, stop["reason"] or "stopped", status)
+    if governor is not None:
+        summary["governor"] = governor.snapshot()
+        _print_governor(governor, session, sys.stderr)
+    if telemetry is not None:
+        summary["agent"] = telemetry.sample()
     report.print_summary(summary, sys.stderr)
     if pipeline:
         stored.print(sys.stderr)
@@ -194,6 +221,62 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         pq.write_table(aggregates_table(final["totals"]), aggregates_path)
         write_summary(summary_path, summary)
     return 0
+
+
+def _start_governor(args: argparse.Namespace, session):
+    """The overhead governor (unless --budget 0) and the agent's self-telemetry, tracking `session`."""
+    from llmobs.governor import Governor, SelfTelemetry
+    from llmobs.governor.calibrate import class_costs, describe
+
+    governor = None
+    if args.budget > 0:
+        for line in describe(session.calibration, class_costs()):
+            print(line, file=sys.stderr)
+        governor = Governor(args.budget / 100.0, log=lambda line: print(line, file=sys.stderr, flush=True))
+        governor.track(session)
+    telemetry = SelfTelemetry(governor)
+    telemetry.track_session(session)
+    return governor, telemetry
+
+
+def _govern(session, governor, telemetry, pipeline, exporter) -> None:
+    """One governor tick and one self-telemetry sample, handed to `top` (snapshot) and OTLP (metrics)."""
+    from llmobs.governor.telemetry import agent_metrics, top_fields
+
+    try:
+        if governor is not None:
+            governor.tick()
+        sample = telemetry.sample()
+        if pipeline is not None:
+            state = governor.target_state(session.pid) if governor is not None else None
+            pipeline.live.agent = top_fields(sample, state)
+        if exporter is not None:
+            exporter.metrics.set_agent_metrics(agent_metrics(sample))
+    except Exception as exc:  # the agent's own bookkeeping must never stop the data path
+        note = f"governor/telemetry: {exc}"
+        if note not in session.notes:
+            session.notes.append(note)
+            print(f"warning: {note}", file=sys.stderr)
+
+
+def _print_governor(governor, session, stream) -> None:
+    """What the governor did, when (seconds after attach), and its estimate at the end."""
+    state = governor.target_state(session.pid) or {}
+    mean = state.get("mean_estimate")
+    decisions = [d for d in governor.decisions if d.pid == session.pid]
+    print(
+        f"governor (budget {governor.budget:.2%}): {len(decisions)} decision(s); estimated slowdown at "
+        f"detach {state.get('estimate', 0.0):.2%}"
+        + (f", mean {mean:.2%}" if mean is not None else "")
+        + (f"; shed at detach: {', '.join(state['shed'])}" if state.get("shed") else ""),
+        file=stream,
+    )
+    for d in decisions:
+        after = d.at_s - session.stats.started_at
+        print(
+            f"  {d.wall} (+{after:.1f} s) {d.action} {d.probe}: {d.before:.2%} -> {d.after:.2%} ({d.reason})",
+            file=stream,
+        )
 
 
 def _remove_stale_maps() -> None:

@@ -149,6 +149,36 @@ def render(rows: list[dict]) -> str:
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
+def agent_lines(rows: list[dict]) -> list[str]:
+    """One header line per attached agent: its own CPU, RSS, events and drops, and the overhead
+    governor's state for its process (from the `agent` field of the snapshot: governor.telemetry)."""
+    lines = []
+    for row in rows:
+        agent = row.get("agent")
+        if not agent:
+            continue
+        line = (
+            f"agent {agent.get('agent_pid', '?')}: cpu {agent.get('cpu_percent', 0):.1f}%  "
+            f"rss {agent.get('rss_bytes', 0) / 2**20:,.0f} MiB  events {agent.get('events', 0):,}  "
+            f"drops kernel {agent.get('drops_kernel', 0):,} user {agent.get('drops_user', 0):,}"
+        )
+        if agent.get("export_failures") is not None:
+            line += f"  export failures {agent['export_failures']:,}"
+        governor = agent.get("governor")
+        if governor is None:
+            line += "  | governor off"
+        else:
+            shed = ",".join(governor.get("shed") or []) or "none"
+            line += (
+                f"  | governor {governor['budget']:.2%}: pid {row['pid']} est. slowdown "
+                f"{governor.get('estimate', 0):.2%}, shed {shed}"
+            )
+            if governor.get("last"):
+                line += f" (last: {governor['last']})"
+        lines.append(line)
+    return lines
+
+
 class Top:
     """Collects the rows of one refresh from snapshots, maps and (when free) the store."""
 
@@ -213,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
                     hint="start `llmobs-agent attach --pid N --db`, or instrument the workload",
                 )
             header = f"llmobs top  {wall_time()}  {len(rows)} process(es); window {WINDOW_S:.0f} s"
+            header = "\n".join([header, *agent_lines(rows)])
             text = f"{header}\n{render(rows)}" if rows else f"{header}\n(no process)\n"
             sys.stdout.write((_CLEAR + text) if tty else text + ("" if args.once else "\n"))
             sys.stdout.flush()

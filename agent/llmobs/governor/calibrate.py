@@ -474,6 +474,6 @@ def describe(costs: dict[str, ProbeCost], classes: ClassCosts | None) -> list[st
     for cost in costs.values():
         lines.append(
             f"cost {cost.probe:<12} {cost.cost_ns:>8,.0f} ns/hit = {cost.ratio:4.2f}x an empty {cost.legs} "
-            f"uprobe at a {cost.site_class} site ({cost.site}; {cost.source})"
+            f"uprobe, {cost.site_class} site ({cost.site}; {cost.source})"
         )
     return lines

@@ -9,13 +9,19 @@ threads): the traps run in the workload's own context and are part of it, so
     overhead = sum(rate_i * cost_i)            (CPU-seconds per second spent in probe hits)
     slowdown = overhead / (busy - overhead)    (how much longer the same work takes with the probes)
 
-When the slowdown exceeds the budget it sheds the costliest probes (largest rate * cost first) until the
-estimate is within budget. A shed probe's rate is then unknown; it is projected from its rate when it
-was shed, scaled by the workload's busy time since (load dropping lowers it). A probe is restored when
-the estimate with it stays under `restore_below` * budget for `hold_s` (hysteresis), and no probe
-changes state twice within `min_interval_s`; a probe shed again soon after a restore doubles its hold
-(up to 8x), so a workload at the edge of the budget does not make probes flap. Shedding the last probe
-is allowed (the budget is a promise) but never silent: it is its own action, "shed-last".
+When the slowdown exceeds the budget (and the probes take at least `min_overhead` of a core: a
+nearly idle process is not slowed down in any way that matters, however its few CPU ticks compare)
+it sheds the costliest probes (largest rate * cost first) until the estimate is within budget.
+
+A shed probe's rate is then unknown; it is projected from its rate when it was shed, scaled by the
+workload's busy time since (load dropping lowers it). A probe is restored when the estimate with it
+stays under `restore_below` * budget for `hold_s` (hysteresis), one probe at a time (spaced by the
+window, so the next decision sees the restored probe's real rate) and never sooner than
+`min_interval_s` after it was shed. Shedding is immediate (the budget comes first), so one flap -
+shed, restore, shed - takes at least `min_interval_s`, and a probe shed again soon after a restore
+doubles its hold (up to 8x): a workload at the edge of the budget does not make probes flap.
+Shedding the last probe is allowed (the budget is a promise) but never silent: it is its own action,
+"shed-last".
 
 Only uprobes are governed: the tracepoints (host profile) are attached once per program and cost
 per event hundreds of ns, not the microseconds of a uprobe trap.
@@ -104,6 +110,7 @@ class _Target:
     estimate_sum: float = 0.0
     estimate_ticks: int = 0
     error: str | None = None  # why the last tick of this target failed
+    last_restore_s: float = -1e18  # restores are spaced so the window sees each one's real rate
 
 
 class Governor:
@@ -119,6 +126,7 @@ class Governor:
         restore_below: float = 0.7,
         hold_s: float = 10.0,
         min_interval_s: float = 5.0,
+        min_overhead: float = 0.001,
         cpu_seconds: Callable[[int], float | None] = process_cpu_seconds,
         history: int = 100,
     ):
@@ -131,6 +139,7 @@ class Governor:
         self.restore_below = restore_below
         self.hold_s = hold_s
         self.min_interval_s = min_interval_s
+        self.min_overhead = min_overhead
         self.cpu_seconds = cpu_seconds
         self.targets: dict[int, _Target] = {}
         self.decisions: deque[Decision] = deque(maxlen=history)
@@ -224,7 +233,7 @@ class Governor:
         target.estimate = slowdown(overhead, target.busy)
         target.estimate_sum += target.estimate
         target.estimate_ticks += 1
-        if target.estimate > self.budget:
+        if target.estimate > self.budget and overhead >= self.min_overhead:
             return self._shed(target, now_s, active, overhead)
         return self._restore(target, now_s, active, overhead)
 
@@ -238,8 +247,6 @@ class Governor:
         for name in by_weight:
             if slowdown(overhead, busy) <= self.budget:
                 break
-            if now_s - target.last_change.get(name, -1e18) < self.min_interval_s:
-                continue  # never flap faster than min_interval_s: try the next costliest
             rate, cost = target.rates.get(name, 0.0), target.costs[name].cost_ns
             if rate <= 0:
                 continue
@@ -275,10 +282,12 @@ class Governor:
 
     def _restore(self, target: _Target, now_s: float, active: list[str], overhead: float) -> list[Decision]:
         """Restores at most one probe per tick: the one whose projected cost is smallest."""
-        if not target.shed:
+        if not target.shed or now_s - target.last_restore_s < max(self.min_interval_s, self.window_s):
             return []
         projected = {name: self._projected_rate(target, name) for name in target.shed}
-        order = sorted(target.shed, key=lambda n: projected[n] * target.costs[n].cost_ns)
+        order = sorted(
+            target.shed, key=lambda n: (projected[n] * target.costs[n].cost_ns, target.costs[n].cost_ns)
+        )
         for name in order:
             part = projected[name] * target.costs[name].cost_ns * 1e-9
             with_it = slowdown(overhead + part, target.busy + part)
@@ -303,6 +312,7 @@ class Governor:
             target.calm_since.pop(name, None)
             target.last_change[name] = now_s
             target.restored_at[name] = now_s
+            target.last_restore_s = now_s
             target.estimate = with_it
             return [self._decision(now_s, target, name, "restore", before, with_it, reason, projected[name])]
         return []

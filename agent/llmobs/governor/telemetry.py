@@ -185,6 +185,24 @@ class SelfTelemetry:
         return result
 
 
+def top_fields(sample: dict, governor_state: dict | None) -> dict:
+    """The compact `agent` field of a `top` snapshot (llmobs.pipeline.live.LiveStats.agent): own CPU,
+    RSS, events, drops, export failures, and the governor's state for that pid (None: governor off)."""
+    fields = {key: sample[key] for key in ("agent_pid", "cpu_percent", "rss_bytes", "events",
+                                            "drops_kernel", "drops_user")}  # fmt: skip
+    fields["export_failures"] = sample["export"]["attempts_failed"] if sample.get("export") else None
+    fields["governor"] = None
+    if governor_state is not None:
+        last = (governor_state.get("decisions") or [None])[-1]
+        fields["governor"] = {
+            "budget": governor_state["budget"],
+            "estimate": governor_state["estimate"],
+            "shed": governor_state["shed"],
+            "last": f"{last['wall']} {last['action']} {last['probe']}" if last else None,
+        }
+    return fields
+
+
 @dataclass(frozen=True)
 class AgentPoint:
     """One OTLP data point of the agent's own metrics."""

@@ -204,7 +204,7 @@ class OtlpExporter:
     def maybe_send_metrics(self, force: bool = False) -> SendResult | None:
         now = clock.monotonic_ns()
         due = now - self._last_metrics_ns >= self.config.metrics_interval_s * 1e9
-        if not self._metrics_dirty or not (force or due):
+        if not (self._metrics_dirty or self.metrics.agent_dirty) or not (force or due):
             return None
         request = self.metrics.encode(clock.realtime_ns())
         self._last_metrics_ns = now
@@ -213,7 +213,8 @@ class OtlpExporter:
         result = self.transport.send_metrics(request)
         if result.ok:
             self.counters.metrics_sent += 1
-            self._metrics_dirty = False  # cumulative: a failed send is made good by the next one
+            # cumulative: a failed send is made good by the next one
+            self._metrics_dirty = self.metrics.agent_dirty = False
         else:
             self.counters.metrics_failed += 1
             self.counters.last_error = result.error

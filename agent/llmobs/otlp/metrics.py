@@ -101,6 +101,14 @@ class MetricsAggregator:
         self.histograms: dict[str, dict[Attrs, HistogramPoint]] = {}
         self.sums: dict[str, dict[Attrs, SumPoint]] = {}
         self.observed_batches = 0
+        # the agent's own telemetry (llmobs.governor.telemetry.agent_metrics), replaced whole each time
+        self.agent_points: list = []
+        self.agent_dirty = False
+
+    def set_agent_metrics(self, points: list) -> None:
+        """llmobs.agent.* points (gauges, cumulative sums) sent with the next metrics request."""
+        self.agent_points = list(points)  # one assignment: the exporter thread sees old or new, whole
+        self.agent_dirty = True
 
     def _hist(self, name: str, attrs: Attrs, bounds) -> HistogramPoint:
         series = self.histograms.setdefault(name, {})
@@ -166,7 +174,8 @@ class MetricsAggregator:
         self.observed_batches += 1
 
     def encode(self, now_wall_ns: int) -> ExportMetricsServiceRequest | None:
-        if not self.histograms and not self.sums:
+        agent_points = self.agent_points
+        if not self.histograms and not self.sums and not agent_points:
             return None
         request = ExportMetricsServiceRequest()
         resource_metrics = request.resource_metrics.add()
@@ -209,7 +218,31 @@ class MetricsAggregator:
                     dp.as_double = point.value
                 if point.exemplar is not None:
                     _add_exemplar(dp.exemplars.add(), point.exemplar)
+        _encode_agent_points(scope, agent_points, self.start_wall_ns, now_wall_ns)
         return request
+
+
+def _encode_agent_points(scope, points: list, start_wall_ns: int, now_wall_ns: int) -> None:
+    """One metric per name; gauges as gauges, counters as cumulative monotonic sums."""
+    by_name: dict[str, list] = {}
+    for point in points:
+        by_name.setdefault(point.name, []).append(point)
+    for name, series in by_name.items():
+        metric = scope.metrics.add()
+        metric.name = name
+        metric.unit, metric.description = series[0].unit, series[0].description
+        if series[0].kind == "gauge":
+            data_points = metric.gauge.data_points
+        else:
+            metric.sum.aggregation_temporality = metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
+            metric.sum.is_monotonic = True
+            data_points = metric.sum.data_points
+        for point in series:
+            dp = data_points.add()
+            dp.attributes.extend(key_values(dict(point.attributes)))
+            dp.start_time_unix_nano = start_wall_ns
+            dp.time_unix_nano = now_wall_ns
+            dp.as_double = point.value
 
 
 def _add_exemplar(target, ex: Exemplar) -> None:

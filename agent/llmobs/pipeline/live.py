@@ -69,6 +69,9 @@ class LiveStats:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=100_000)  # (t_end_ns, latency_ns, loss)
         self._work: dict[int, dict[str, float]] = {}  # step_seq -> class -> count (offcpu: ns)
         self._starts: dict[int, int] = {}  # step_seq -> t_start_ns of recent steps (for attached_ns)
+        # the attaching agent's own state (SelfTelemetry sample + governor state for this pid), set by
+        # the agent each second; `top` shows it as a header line
+        self.agent: dict | None = None
 
     def add_steps(self, columns: dict) -> None:
         n = len(columns["step_seq"])
@@ -145,6 +148,7 @@ class LiveStats:
             "mean_loss": float(losses.mean()) if len(losses) else None,
             "per_step": per_step,
             "work_steps": len(steps),
+            **({"agent": self.agent} if self.agent is not None else {}),
         }
 
 
