@@ -4,10 +4,10 @@ training mode, with an optional injected loss spike (a corrupted batch at a know
 
     .venv/bin/python scripts/train_workload.py [--steps 200] [--spike-step 60] [--batch 4] [--seq 32]
 
-The data is learnable on purpose: each row counts up from a random start ((s + i) mod 255 + 1), so the
-loss falls from ~5.5 nats to well under 1 within a few dozen steps. The corrupted batch (--spike-step)
-replaces every token by a random id: its loss jumps back to ~ln(256), a spike the agent's training
-monitor must catch (llmobs.diagnostics.training), and its dL/dE differs visibly in the heatmap.
+The data is learnable on purpose: every row is one of 8 fixed random sequences, so the loss falls from
+~5.5 nats to well under 1 within a few dozen steps. The corrupted batch (--spike-step) replaces every
+token by a random id: its loss jumps back to ~ln(256) or above, a spike the agent's training monitor
+must catch (llmobs.diagnostics.training), and its dL/dE differs visibly in the heatmap.
 
 Synchronisation without sleeps (like scripts/workload.py):
   --ready-fd N      JSON lines on an inherited pipe: {"phase": "ready", "pid", "map"} once the map
@@ -32,13 +32,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+PATTERNS = 8  # the corpus: this many fixed sequences, memorised within a few dozen steps
+
+
 def batch_of(step: int, batch: int, seq: int, corrupt: bool, generator):
+    """[batch, seq] token ids: rows drawn from the fixed corpus, or random ids when `corrupt`."""
     import torch
 
     if corrupt:
         return torch.randint(1, 256, (batch, seq), generator=generator)
-    start = torch.randint(0, 255, (batch, 1), generator=generator)
-    return (start + torch.arange(seq)) % 255 + 1
+    corpus = torch.randint(1, 256, (PATTERNS, seq), generator=torch.Generator().manual_seed(seq))
+    return corpus[torch.randint(0, PATTERNS, (batch,), generator=generator)]
 
 
 def stdin_has_line(timeout: float) -> bool:
