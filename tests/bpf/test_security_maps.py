@@ -1,0 +1,97 @@
+"""Issue 8, security: a map file with the wrong owner or mode is refused end to end.
+
+A real instrumented workload creates its map (/dev/shm/llmobs.<pid>, mode 0600, owned by its user); the
+test then loosens the mode (anyone could have written into it) or hands the file to another user (that
+user could have planted it). `inspect` must refuse it with one line and exit code 5, and `attach --db`
+must keep working for the probes while storing nothing from that map, saying why in its summary.
+The control case (the untouched map) is read normally, so a refusal cannot come from something else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import duckdb
+import pytest
+from held_workload import HeldWorkload
+from test_attach import Agent
+
+INSPECT = [sys.executable, "-m", "llmobs.cli", "inspect"]
+NOBODY = 65534
+
+
+def _map_of(pid: int) -> Path:
+    path = Path(f"/dev/shm/llmobs.{pid}")
+    assert path.exists(), f"the workload made no map at {path}"
+    return path
+
+
+def _inspect(pid: int) -> subprocess.CompletedProcess:
+    return subprocess.run([*INSPECT, "--pid", str(pid)], capture_output=True, text=True, timeout=60)
+
+
+def _tamper(path: Path, how: str) -> str:
+    """Applies the change; returns the text the refusal must contain."""
+    if how == "mode":
+        os.chmod(path, 0o644)
+        return "has mode 0644, a map must be 0600"
+    os.chown(path, NOBODY, NOBODY)
+    return f"owned by uid {NOBODY} but process"
+
+
+ARGS = ("--model", "tiny", "--requests", "2", "--max-new-tokens", "4", "--threads", "1")
+
+
+@pytest.fixture(scope="module")
+def workload():
+    with HeldWorkload(*ARGS) as held:
+        held.generate()  # its map now holds steps; held alive until the module's tests are done
+        yield held
+
+
+def test_the_untouched_map_is_read(workload):
+    result = _inspect(workload.pid)
+    assert result.returncode == 0, result.stderr
+    assert "tiny-gpt2" in result.stdout
+
+
+@pytest.mark.parametrize("how", ["mode", "owner"])
+def test_inspect_refuses_a_tampered_map_with_one_line(workload, how):
+    path = _map_of(workload.pid)
+    st = path.stat()
+    try:
+        expected = _tamper(path, how)
+        result = _inspect(workload.pid)
+    finally:
+        os.chmod(path, 0o600)
+        os.chown(path, st.st_uid, st.st_gid)
+    assert result.returncode == 5, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("error: ") and expected in lines[0], result.stderr
+    assert len(lines) <= 2 and all(line.startswith("hint: ") for line in lines[1:])
+    assert "Traceback" not in result.stderr and result.stdout == ""
+
+
+@pytest.mark.parametrize("how", ["mode", "owner"])
+def test_attach_stores_nothing_from_a_tampered_map(tmp_path, how):
+    db = tmp_path / "store.duckdb"
+    with HeldWorkload(*ARGS) as workload:
+        path = _map_of(workload.pid)
+        expected = _tamper(path, how)
+        agent = Agent("--pid", str(workload.pid), "--profile", "cpu", "--db", str(db))
+        agent.wait_for("attached in")
+        workload.generate()
+        agent.proc.send_signal(signal.SIGINT)
+        code, text = agent.finish()
+    assert code == 0, text
+    assert "Traceback" not in text
+    map_line = next(line for line in text.splitlines() if "token steps from the map" in line)
+    assert "0 read" in map_line and expected in map_line, map_line
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM token_steps").fetchone()[0] == 0
+        # the probes themselves still worked: the refusal is about the map only
+        assert con.execute("SELECT sum(count) FROM probe_aggregates").fetchone()[0] > 0
