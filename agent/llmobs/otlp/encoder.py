@@ -5,6 +5,7 @@ Span structure (docs/otlp.md has the full attribute table):
     request span  "<gen_ai.operation.name> <model>"       one per (pid, trace_id), sent once closed
       └─ token-step span "gen_ai.token_step"                one per token step, child of its request
            └─ span events, one per sampled probe event    each with llmobs.sample_ratio (N of 1/N)
+           └─ span event "llmobs.anomaly" per loss anomaly  kind, score, detector, detail, evidence
 
 Span ids are derived from the row keys (a keyed hash), never random: a batch retried after a lost ack,
 or re-read after an agent restart, carries the same ids, so the backend sees duplicates it can drop,
@@ -14,6 +15,7 @@ and a step span exported before its request span still points at the right paren
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import socket
 from collections.abc import Iterable, Mapping
@@ -72,6 +74,17 @@ EVENT_ATTRIBUTES = (
     ("cpu", "llmobs.cpu"),
     ("name", "llmobs.kernel.name"),
     ("gpu_ns", "llmobs.kernel.gpu_ns"),
+)
+
+
+ANOMALY_EVENT_NAME = "llmobs.anomaly"
+# anomalies column -> llmobs.anomaly event attribute (detail: the detector's numbers as JSON)
+ANOMALY_ATTRIBUTES = (
+    ("kind", "llmobs.anomaly.kind"),
+    ("score", "llmobs.anomaly.score"),
+    ("detector", "llmobs.anomaly.detector"),
+    ("detail", "llmobs.anomaly.detail"),
+    ("artifact", "llmobs.anomaly.artifact"),
 )
 
 
@@ -263,6 +276,20 @@ class TraceEncoder:
         for span, total in totals.values():
             span.dropped_events_count = max(total - len(span.events), 0)
 
+        for anomaly in batch.anomalies:  # at the step's end: the loss is known once the pass is over
+            key = (anomaly["pid"], anomaly["step_seq"])
+            span = by_trace.get((*key, anomaly["trace_id"])) or by_pass.get(key)
+            if span is None:
+                continue
+            span_event = span.events.add()
+            span_event.time_unix_nano = span.end_time_unix_nano
+            span_event.name = ANOMALY_EVENT_NAME
+            for column, name in ANOMALY_ATTRIBUTES:
+                set_attribute(span_event.attributes, name, anomaly[column])
+            set_attribute(
+                span_event.attributes, "llmobs.anomaly.evidence", evidence_summary(anomaly["evidence"])
+            )
+
         for req in batch.requests:
             pid, trace_hex = req["pid"], req["trace_id"]
             span = scope_for(pid, req["model_id"]).spans.add()
@@ -285,6 +312,16 @@ class TraceEncoder:
             if self.ids.mode == "prompt":  # in random mode exporting it would undo the unlinking
                 set_attribute(attributes, "llmobs.prompt_hash", trace_hex)
         return request
+
+
+def evidence_summary(evidence: str | None) -> str | None:
+    """The one-line summary of an anomaly's evidence JSON (None until correlate has rolled it up)."""
+    if not evidence:
+        return None
+    try:
+        return json.loads(evidence).get("summary")
+    except (ValueError, AttributeError):
+        return None
 
 
 def span_count(request: ExportTraceServiceRequest) -> int:

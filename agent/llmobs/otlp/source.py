@@ -23,7 +23,7 @@ acknowledged the batch: at-least-once, with duplicates limited to a batch whose 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 import pyarrow as pa
@@ -122,6 +122,17 @@ ON CONFLICT (pid, trace_id) DO UPDATE SET
     loss_count = loss_count + excluded.loss_count
 """
 
+# Loss anomalies of the batch's passes (llmobs.diagnostics): span events named llmobs.anomaly. Detected
+# within ~0.1 s of the step and committed at once, they are in the store before the step's own row;
+# their evidence lands after correlate (2-5 s), so a step exported sooner carries the anomaly without it.
+_BATCH_ANOMALIES = """
+SELECT a.pid, a.step_seq, a.trace_id, coalesce(a.batch_row, 0) AS batch_row, a.kind, a.score, a.detector,
+       a.detail, a.evidence, a.artifact
+FROM anomalies a SEMI JOIN _otlp_passes p USING (pid, step_seq)
+WHERE a.ts_ns >= $lo  -- detected after its step, however late (an agent catching up on a backlog)
+ORDER BY a.pid, a.step_seq, a.kind
+"""
+
 # How far around a batch's step window to look for its events (CUPTI records and late-tagged work).
 EVENT_SLACK_NS = 2_000_000_000
 
@@ -136,6 +147,7 @@ class StepBatch:
     gpu_time: list[dict]
     requests: list[dict]  # closed requests whose span goes out with this batch
     processes: dict[int, dict]
+    anomalies: list[dict] = field(default_factory=list)  # anomaly rows of the batch's passes
 
     @property
     def span_count(self) -> int:
@@ -150,6 +162,7 @@ class StepBatch:
             self.gpu_time,
             [r for r in self.requests if keep(r["trace_id"])],
             self.processes,
+            [a for a in self.anomalies if keep(a["trace_id"] or "")],
         )
 
 
@@ -230,6 +243,7 @@ class ExportCursor:
         events: list[dict] = []
         rollups: dict[tuple[int, int], dict] = {}
         gpu_time: list[dict] = []
+        anomalies: list[dict] = []
         if steps:
             passes = table.group_by(["pid", "step_seq"]).aggregate([])
             conn.register("_otlp_passes", passes)
@@ -245,6 +259,7 @@ class ExportCursor:
                 for row in conn.sql(_BATCH_ROLLUPS, params=params).to_arrow_table().to_pylist():
                     rollups[(row["pid"], row["step_seq"])] = row
                 gpu_time = conn.sql(_BATCH_GPU_TIME, params=params).to_arrow_table().to_pylist()
+                anomalies = conn.sql(_BATCH_ANOMALIES, params={"lo": lo}).to_arrow_table().to_pylist()
             finally:
                 conn.unregister("_otlp_passes")
         # A final flush closes every request only once no step is left behind this batch.
@@ -254,7 +269,7 @@ class ExportCursor:
         now_ns = now_ns if drained else None
         requests = self._closed_requests(steps, limit, request_idle_ns, now_ns, flush and drained)
         pids = {s["pid"] for s in steps} | {r["pid"] for r in requests}
-        return StepBatch(steps, events, rollups, gpu_time, requests, self.processes(pids))
+        return StepBatch(steps, events, rollups, gpu_time, requests, self.processes(pids), anomalies)
 
     def _closed_requests(
         self, steps: list[dict], limit: int, idle_ns: int | None, now_ns: int | None, flush: bool
