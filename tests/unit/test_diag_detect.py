@@ -266,3 +266,22 @@ def test_live_anomalies_commit_rows_with_their_latency(store):
     latency = live.latency_ms()
     assert latency["n"] == 2 and 0 < latency["p50"] < 60_000
     assert "2 flagged, 2 committed" in live.summary()
+
+
+def test_a_forward_with_labels_is_one_request_even_when_a_poll_splits_it():
+    """Teacher forcing publishes all tokens of a sequence under one step_seq (step = 0..T-1)."""
+    losses = np.random.default_rng(8).normal(2.0, 0.1, 48)
+    losses[40] = 5.0
+    steps = _steps("e" * 32, losses, first=900)
+    steps["step_seq"] = np.full(48, 900)
+    detector = StreamingDetector(DetectorConfig())
+    first = detector.add({k: v[:37] for k, v in steps.items()}, 0)
+    rest = detector.add({k: v[37:47] for k, v in steps.items()}, 0)
+    detector.add({k: v[47:] for k, v in steps.items()}, 0)  # one row alone: still the same request
+    assert detector.counters.open == 1 and detector.counters.tested == 40
+    flagged = [(s, f, k) for part in (first, rest) if part for s, f, k in
+               zip(part["step"], part["first_step_seq"], part["kind"], strict=True)]  # fmt: skip
+    assert (40, 900, "loss_ttest") in flagged and (40, 900, "loss_mad") in flagged
+    assert {s for s, _, _ in flagged} == set(
+        np.flatnonzero(score_sequence(losses).ttest | score_sequence(losses).mad_flag)
+    )

@@ -76,16 +76,26 @@ def run(args: argparse.Namespace) -> int:
 # ---- finding the step ------------------------------------------------------------------------------
 
 
+# A request's first forward pass (its `origin`): step_seq - step for generated tokens (one pass each), the
+# pass itself for a forward with labels (teacher forcing: all its tokens share one step_seq), as the
+# live detectors group them (llmobs.diagnostics.detectors).
+_STEPS_OF_TRACE = """
+WITH s AS (
+    SELECT *, coalesce(batch_row, 0) AS row,
+        CASE WHEN count(*) OVER (PARTITION BY pid, trace_id, step_seq, coalesce(batch_row, 0)) > 1
+             THEN step_seq ELSE step_seq - coalesce(step, 0) END AS origin
+    FROM token_steps WHERE starts_with(trace_id, $prefix) AND ($pid IS NULL OR pid = $pid)
+)
+"""
+
+
 def find_request(conn, prefix: str, pid: int | None, first: int | None, batch_row: int | None) -> dict:
     """The one request (pid, trace_id, first_step_seq, batch_row) the arguments name, or a clear error."""
     rows = conn.execute(
-        """SELECT pid, trace_id, step_seq - coalesce(step, 0) AS first_step_seq,
-                  coalesce(batch_row, 0) AS row, count(*) AS tokens, min(t_start_ns) AS t0
-           FROM token_steps
-           WHERE starts_with(trace_id, $prefix) AND ($pid IS NULL OR pid = $pid)
-             AND ($first IS NULL OR step_seq - coalesce(step, 0) = $first)
-             AND ($row IS NULL OR coalesce(batch_row, 0) = $row)
-           GROUP BY ALL ORDER BY t0""",
+        _STEPS_OF_TRACE
+        + """SELECT pid, trace_id, origin, row, count(*) AS tokens, min(t_start_ns) AS t0 FROM s
+             WHERE ($first IS NULL OR origin = $first) AND ($row IS NULL OR row = $row)
+             GROUP BY ALL ORDER BY t0""",
         {"prefix": prefix, "pid": pid, "first": first, "row": batch_row},
     ).fetchall()
     if not rows:
@@ -109,10 +119,9 @@ def find_request(conn, prefix: str, pid: int | None, first: int | None, batch_ro
 
 def _steps(conn, request: dict) -> list[dict]:
     cursor = conn.execute(
-        f"""SELECT {", ".join(STEP_COLUMNS)} FROM token_steps
-            WHERE pid = $pid AND trace_id = $trace AND step_seq - coalesce(step, 0) = $first
-              AND coalesce(batch_row, 0) = $row ORDER BY step""",
-        {"pid": request["pid"], "trace": request["trace_id"], "first": request["first_step_seq"],
+        _STEPS_OF_TRACE
+        + f"""SELECT {", ".join(STEP_COLUMNS)} FROM s WHERE origin = $first AND row = $row ORDER BY step""",
+        {"prefix": request["trace_id"], "pid": request["pid"], "first": request["first_step_seq"],
          "row": request["batch_row"]},
     )  # fmt: skip
     return [dict(zip(STEP_COLUMNS, r, strict=True)) for r in cursor.fetchall()]

@@ -195,13 +195,10 @@ class StreamingDetector:
             return None
         step_seq = np.asarray(steps["step_seq"], np.int64)
         step = np.asarray(steps["step"], np.int64)
-        first = step_seq - step
         batch_row = np.asarray(steps["batch_row"], np.int64)
         pid = np.asarray(steps["pid"], np.int64)
         loss = np.asarray(steps["loss"], np.float64)
-        traces = steps["trace_id"]
-        # group by request: (pid, trace, first_step_seq, batch_row); order kept within a group
-        keys = [(int(pid[i]), traces[i], int(first[i]), int(batch_row[i])) for i in range(n)]
+        keys = self._request_keys(pid, steps["trace_id"], step_seq, step, batch_row)
         groups: dict[tuple, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(key, []).append(i)
@@ -227,6 +224,26 @@ class StreamingDetector:
             return None
         self.counters.anomalies += len(rows["ts_ns"])
         return rows
+
+    def _request_keys(self, pid, traces, step_seq, step, batch_row) -> list[tuple]:
+        """(pid, trace, origin, batch_row) per token step: the request it belongs to. Generated tokens
+        take one forward pass each, so a request's origin is step_seq - step (its first pass: the
+        store's first_step_seq). A forward pass with labels (teacher forcing, training) publishes all
+        its tokens under one step_seq: its origin is that step_seq. A pass whose rows a poll split
+        in two is recognised by its open state."""
+        n = len(step_seq)
+        passes: dict[tuple, int] = {}
+        for i in range(n):
+            key = (int(pid[i]), traces[i], int(step_seq[i]), int(batch_row[i]))
+            passes[key] = passes.get(key, 0) + 1
+        keys = []
+        for i in range(n):
+            forced = (int(pid[i]), traces[i], int(step_seq[i]), int(batch_row[i]))
+            if passes[forced] > 1 or (step[i] > 0 and forced in self._open):
+                keys.append(forced)
+            else:
+                keys.append((forced[0], forced[1], int(step_seq[i] - step[i]), forced[3]))
+        return keys
 
     def _state(self, key: tuple) -> _Open:
         state = self._open.get(key)
