@@ -53,6 +53,7 @@ class PipelineSummary:
     steps_read: int = 0
     steps_lost: int = 0
     steps_corrupt: int = 0
+    steps_already_stored: int = 0  # re-read from the map after a restart, skipped: the store had them
     map_error: str | None = None
     submitted_rows: int = 0
     committed_rows: int = 0
@@ -70,7 +71,9 @@ class PipelineSummary:
         print(f"store {self.db}: {tables or 'nothing written'}", file=stream)
         print(
             f"token steps from the map: {self.steps_read:,} read, {self.steps_lost:,} lost (ring lapped), "
-            f"{self.steps_corrupt:,} rejected" + (f"; map: {self.map_error}" if self.map_error else ""),
+            f"{self.steps_corrupt:,} rejected"
+            + (f", {self.steps_already_stored:,} already stored" if self.steps_already_stored else "")
+            + (f"; map: {self.map_error}" if self.map_error else ""),
             file=stream,
         )
         print(
@@ -97,6 +100,16 @@ class PipelineSummary:
 
 def _failed(errors: int, error: str | None) -> str:
     return f"; {errors} run(s) failed ({error})" if errors else ""
+
+
+def _last_stored_step(store: DuckDBStore, pid: int) -> tuple[int, int, int] | None:
+    """The newest token-step key of `pid` in the store (None: none), where a restarted agent resumes."""
+    table = store.query(
+        "SELECT t_start_ns, step_seq, batch_row FROM token_steps WHERE pid = ? "
+        "ORDER BY t_start_ns DESC, step_seq DESC, batch_row DESC LIMIT 1",
+        [pid],
+    )
+    return tuple(int(table.column(i)[0].as_py()) for i in range(3)) if table.num_rows else None
 
 
 class Pipeline:
@@ -144,6 +157,7 @@ class Pipeline:
         try:
             store.record_clock_fit("wall", clock.WallClock.measure())
             store.upsert_process(pid, self._process["start_ns"], **self._process["columns"])
+            self.shm.resume_after = _last_stored_step(store, pid)
         except Exception as exc:  # bookkeeping rows must not stop the data path
             self.last_error = str(exc)
         # token-loss anomalies: scored as steps arrive, committed at once (None: detectors off)
@@ -373,6 +387,7 @@ class Pipeline:
             steps_read=shm["steps"],
             steps_lost=shm["lost"],
             steps_corrupt=shm["corrupt"],
+            steps_already_stored=shm["already_stored"],
             map_error=self.shm.error or (None if self.shm.reader or self.shm.steps else self.shm.waiting),
             submitted_rows=counters.submitted_rows,
             committed_rows=counters.committed_rows,

@@ -40,6 +40,12 @@ class ShmSource:
         self.layer_rows = 0  # layer-stream records returned
         self._modules: set[tuple[int, int, str]] = set()  # layer-stream module names already returned
         self.steps = 0  # token steps returned
+        # The newest (t_start_ns, step_seq, batch_row) of this pid already in the store, set by the
+        # pipeline: a restarted agent reads the map's ring from its start, and must not store twice the
+        # steps its killed predecessor committed. Ring order is that key's order for one pid, and a new
+        # process reusing the pid starts later on CLOCK_MONOTONIC, so its steps are never skipped.
+        self.resume_after: tuple[int, int, int] | None = None
+        self.already_stored = 0  # steps skipped because the store had them
         self.lost = 0  # overwritten in the ring before we read them
         self.corrupt = 0
         self.error: str | None = None  # why the map could not be read (None: fine or not there yet)
@@ -99,10 +105,29 @@ class ShmSource:
         self.corrupt += batch.corrupt
         if not len(batch):
             return None
-        self.steps += len(batch)
-        if not self.model_id and batch.columns["model_id"]:
-            self.model_id = batch.columns["model_id"][-1]
-        return batch.columns
+        columns = batch.columns
+        if self.resume_after is not None:
+            columns = self._skip_stored(columns)
+            if columns is None:
+                return None
+        self.steps += len(columns["step_seq"])
+        if not self.model_id and columns["model_id"]:
+            self.model_id = columns["model_id"][-1]
+        return columns
+
+    def _skip_stored(self, columns: dict) -> dict | None:
+        """The rows after `resume_after` (None when none); stops checking once a newer row is seen."""
+        t, seq, row = self.resume_after
+        ts, seqs, rows = (np.asarray(columns[k], np.int64) for k in ("t_start_ns", "step_seq", "batch_row"))
+        newer = (ts > t) | ((ts == t) & ((seqs > seq) | ((seqs == seq) & (rows > row))))
+        self.already_stored += int(len(newer) - newer.sum())
+        if not newer.any():
+            return None
+        self.resume_after = None
+        if newer.all():
+            return columns
+        keep = np.flatnonzero(newer)
+        return {k: v[keep] if isinstance(v, np.ndarray) else [v[i] for i in keep] for k, v in columns.items()}
 
     def poll_layers(self, refresh: bool = False) -> dict | None:
         """Layer-stream records (LAYER_COLUMNS + ts_ns, the read time) published since the last call;
@@ -163,6 +188,7 @@ class ShmSource:
             "steps": self.steps,
             "lost": self.lost,
             "corrupt": self.corrupt,
+            "already_stored": self.already_stored,
             "writer_dropped": int(header.get("steps_dropped", 0)) if header else 0,
         }
 
