@@ -424,7 +424,7 @@ def _flatten(data: dict, path: Path) -> tuple[dict[str, object], dict]:
         for name, value in table.items():
             key = f"{section}.{name}"
             if key not in known:
-                allowed = ", ".join(k.split(".")[1] for k in known if k.startswith(section + "."))
+                allowed = ", ".join(s.key.split(".")[1] for s in SETTINGS if s.key.startswith(section + "."))
                 raise ConfigError(f"{path}: unknown key {name!r} in [{section}]; allowed: {allowed}")
             flat[key] = value
     otlp = data.get("otlp", {})

@@ -266,6 +266,7 @@ class Service:
         probes = ",".join(p.name for p in session.attached_probes)
         skipped = "".join(f"; skipped {s.probe.name}: {s.reason}" for s in session.skipped)
         tag = "map" if session.cell_address else "no map yet: events untagged until it appears"
+        self._write_status()  # before the line: whoever reads the line finds the status current
         self.log(
             f"attach pid {proc.pid} ({_short(proc.command)}) [{proc.why}, {tag}]: {probes}"
             f" in {session.stats.attached_after_s:.2f} s{skipped}"
@@ -288,6 +289,7 @@ class Service:
         detached = self.fleet.remove(pid, reason)
         self.watcher.forget(pid)  # a process still selected (probes reconfigured) is found again
         self.detached_total += 1
+        self._write_status()
         self._log_detach(detached)
         return detached
 

@@ -1,0 +1,226 @@
+"""`llmobs-agent run` as a real daemon (subprocess, tmp config/store/run dir) over real PyTorch workloads.
+
+Each test selects only its own workloads (a command regex on a unique token in their --session), binds
+its own NOTIFY_SOCKET, and synchronises on the daemon's stderr lines and sd_notify datagrams, the
+workloads' ready/done pipes, and bpftool's view of the kernel: no sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import duckdb
+import pytest
+from held_workload import HeldWorkload
+
+pytest.importorskip("bcc")
+
+LINE_TIMEOUT_S = 40.0
+REQUESTS, TOKENS = 2, 8
+
+
+def bpftool_json(*args: str) -> list[dict]:
+    out = subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(out.stdout or "[]")
+
+
+def uprobes_of(agent_pid: int) -> list[dict]:
+    """The perf-event uprobes the agent process holds open (bcc 0.26 attaches through the uprobe PMU)."""
+    return [e for e in bpftool_json("perf") if e.get("pid") == agent_pid and e.get("fd_type") == "uprobe"]
+
+
+def target_of(entry: dict) -> int:
+    """bcc names a per-pid uprobe's file through /proc/<target pid>/root/..."""
+    match = re.match(r"/proc/(\d+)/root/", entry.get("filename", ""))
+    return int(match.group(1)) if match else 0
+
+
+class Daemon:
+    """`llmobs-agent run --config FILE` with its stderr lines and a notify socket read by the test."""
+
+    def __init__(self, tmp_path: Path, config: str):
+        self.config = tmp_path / "agent.toml"
+        self.config.write_text(config)
+        self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.notify.bind(str(tmp_path / "notify.sock"))
+        env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "LLMOBS_CONFIG": ""}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmobs.cli", "run", "--config", str(self.config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        self.lines: list[str] = []
+        self._buffer = b""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_line(self, pattern: str, timeout: float = LINE_TIMEOUT_S) -> re.Match:
+        """The next stderr line matching `pattern` (earlier lines are kept in self.lines)."""
+        deadline = time.monotonic() + timeout
+        regex = re.compile(pattern)
+        while True:
+            while b"\n" in self._buffer:
+                raw, self._buffer = self._buffer.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                self.lines.append(line)
+                match = regex.search(line)
+                if match:
+                    return match
+            left = deadline - time.monotonic()
+            readable, _, _ = select.select([self.proc.stderr], [], [], max(left, 0))
+            assert readable, f"no line matching {pattern!r} within {timeout} s; got:\n" + "\n".join(
+                self.lines
+            )
+            chunk = os.read(self.proc.stderr.fileno(), 65536)
+            assert chunk, f"the daemon exited ({self.proc.wait()}) before {pattern!r}:\n" + "\n".join(
+                self.lines
+            )
+            self._buffer += chunk
+
+    def wait_notify(self, key: str, timeout: float = LINE_TIMEOUT_S) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.notify.settimeout(max(deadline - time.monotonic(), 0.001))
+            try:
+                fields = self.notify.recv(4096).decode().split("\n")
+            except TimeoutError:
+                raise AssertionError(f"no {key} on NOTIFY_SOCKET within {timeout} s") from None
+            if key in fields:
+                return fields
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        self.proc.send_signal(sig)
+        _, rest = self.proc.communicate(timeout=60)
+        self.lines += (self._buffer + rest).decode(errors="replace").splitlines()
+        self._buffer = b""
+        return self.proc.returncode
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.notify.close()
+
+
+def config_text(tmp_path: Path, token: str, extra: str = "") -> str:
+    return (
+        f'[store]\npath = "{tmp_path / "store.duckdb"}"\n'
+        f'[daemon]\nrun_dir = "{tmp_path / "run"}"\n'
+        f'[select]\ncommand = "{token}"\n'
+        "[discovery]\ninterval_s = 0.2\n"
+        f'[probes]\nprofiles = ["cpu", "host"]\n{extra}'
+    )
+
+
+def workload(token: str) -> HeldWorkload:
+    return HeldWorkload(
+        "--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS), "--session", token
+    )
+
+
+def token_steps_by_pid(db: Path) -> dict[int, int]:
+    with duckdb.connect(str(db), read_only=True) as conn:
+        return dict(conn.execute("SELECT pid, count(*) FROM token_steps GROUP BY pid").fetchall())
+
+
+def test_two_workloads_on_one_program_detach_on_exit_and_drain_on_sigterm(tmp_path):
+    token = f"llmobs-daemon-{uuid.uuid4().hex[:10]}"
+    first, second = workload(f"{token}-a"), workload(f"{token}-b")
+    first.__enter__()
+    first_running = True
+    try:
+        second.__enter__()
+        daemon = Daemon(tmp_path, config_text(tmp_path, token))
+        try:
+            ready = daemon.wait_notify("READY=1")
+            assert f"MAINPID={daemon.pid}" in ready
+            attached = {int(daemon.wait_line(r"attach pid (\d+) ").group(1)) for _ in range(2)}
+            assert attached == {first.pid, second.pid}
+
+            # ONE program: every uprobe of both targets runs the same BPF program id, which is the
+            # daemon's own uprobe__linear (its status file says which id it loaded)
+            probes = uprobes_of(daemon.pid)
+            assert sorted(target_of(e) for e in probes) == sorted([first.pid, second.pid])
+            assert len({e["prog_id"] for e in probes}) == 1
+            status = json.loads((tmp_path / "run" / "daemon.json").read_text())
+            assert status["program"]["ids"]["uprobe__linear"] == probes[0]["prog_id"]
+            loaded = [p for p in bpftool_json("prog", "show") if p.get("name") == "uprobe__linear"]
+            assert probes[0]["prog_id"] in {p["id"] for p in loaded}
+
+            first.generate()
+            second.generate()
+            first.__exit__(None, None, None)  # the first workload exits: detached, its probes gone
+            first_running = False
+            daemon.wait_line(rf"detach pid {first.pid} .*: exited; ")
+            left = uprobes_of(daemon.pid)
+            assert [target_of(e) for e in left] == [second.pid], left
+            assert not (tmp_path / "run" / f"attach.{first.pid}.json").exists()
+
+            assert daemon.stop(signal.SIGTERM) == 0, "\n".join(daemon.lines)
+            assert daemon.wait_notify("STOPPING=1")
+        finally:
+            daemon.close()
+            second.__exit__(None, None, None)
+    finally:
+        if first_running:
+            first.__exit__(None, None, None)
+    assert any(re.search(rf"detach pid {second.pid} .*agent stopping \(SIGTERM\)", x) for x in daemon.lines)
+    assert uprobes_of(daemon.pid) == []
+    # every token step of both workloads is in the store, committed before the daemon exited
+    assert token_steps_by_pid(tmp_path / "store.duckdb") == {
+        first.pid: REQUESTS * TOKENS,
+        second.pid: REQUESTS * TOKENS,
+    }
+    with duckdb.connect(str(tmp_path / "store.duckdb"), read_only=True) as conn:
+        tagged = conn.execute(
+            "SELECT pid, sum(count) FROM probe_aggregates"
+            " WHERE probe = 'linear' AND step_seq <> 0 GROUP BY pid"
+        ).fetchall()
+    assert {pid for pid, count in tagged if count > 0} == {first.pid, second.pid}
+
+
+def test_sighup_with_changed_selector_detaches_and_a_bad_config_is_kept_out(tmp_path):
+    token = f"llmobs-daemon-{uuid.uuid4().hex[:10]}"
+    with workload(token) as target:
+        daemon = Daemon(tmp_path, config_text(tmp_path, token))
+        try:
+            daemon.wait_notify("READY=1")
+            daemon.wait_line(rf"attach pid {target.pid} ")
+            assert [target_of(e) for e in uprobes_of(daemon.pid)] == [target.pid]
+
+            # a bad new config: logged, the running one kept (still attached)
+            daemon.config.write_text(config_text(tmp_path, token, "sample_n = 0\n"))
+            daemon.proc.send_signal(signal.SIGHUP)
+            line = daemon.wait_line(r"reload failed, keeping the running config: (.*)").group(1)
+            assert line.startswith("probes.sample_n = 0 (from file ")
+            assert [target_of(e) for e in uprobes_of(daemon.pid)] == [target.pid]
+
+            # a selector that no longer matches: detached, no probe left
+            daemon.config.write_text(config_text(tmp_path, f"{token}-nothing-matches"))
+            daemon.proc.send_signal(signal.SIGHUP)
+            daemon.wait_line(r"reload: select\.command$")
+            daemon.wait_line(rf"detach pid {target.pid} .*: no longer selected; ")
+            assert uprobes_of(daemon.pid) == []
+
+            # and back: attached again on the next scan
+            daemon.config.write_text(config_text(tmp_path, token))
+            daemon.proc.send_signal(signal.SIGHUP)
+            daemon.wait_line(rf"attach pid {target.pid} ")
+            target.generate()  # (HeldWorkload's exit expects the generation done)
+            assert daemon.stop(signal.SIGINT) == 0
+        finally:
+            daemon.close()
+    assert uprobes_of(daemon.pid) == []
