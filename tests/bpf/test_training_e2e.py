@@ -10,6 +10,7 @@ the workload with a line on its stdin and the agent with SIGINT."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -37,8 +38,6 @@ def _wait_for_file(directory: Path, pattern: str, timeout: float) -> Path:
 
 
 def test_a_corrupted_batch_gets_an_anomaly_row_and_its_dl_de_heatmap(tmp_path):
-    import os
-
     db = tmp_path / "train.duckdb"
     ready_r, ready_w = os.pipe()
     args = ["--spike-step", str(SPIKE_STEP), "--batch", str(BATCH), "--seq", str(SEQ), "--until-stdin",

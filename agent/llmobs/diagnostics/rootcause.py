@@ -7,7 +7,8 @@ For each stream (kind, layer, head) sampled on the step (pid, step_seq, trace_id
            |median| so a perfectly flat stream does not give an infinite z)
   weight = max(|r|, MIN_WEIGHT), r = the stream's point-biserial correlation with anomalies
            (llmobs.diagnostics.correlation); MIN_WEIGHT when the process has no anomaly yet
-  score  = |z| x weight
+  score  = |z| x weight, for the streams with |z| >= MIN_Z only (a stream that follows the anomalies
+           elsewhere but is normal on this step is no cause of this step)
 A fault in a layer propagates downstream: every later layer's stream may deviate too, some even more
 once the residual stream has grown. So among the streams scoring at least UPSTREAM_SHARE of the best,
 the earliest layer is the candidate (ties by score); the evidence lists the runners-up.
@@ -92,12 +93,11 @@ def root_cause(conn, pid: int, step_seq: int, trace_id: str | None = None) -> Ro
         weight = max(abs(r), MIN_WEIGHT) if r is not None else MIN_WEIGHT
         name = corr.module if corr is not None else fallback_module(layer, kind, head)
         scored.append((abs(z) * weight, key, name, float(value), z, median, mad, r, len(base)))
+    scored = [s for s in scored if abs(s[4]) >= MIN_Z]  # only a stream that deviates can be the cause
     if not scored:
         return None
     scored.sort(key=lambda s: -s[0])
     best = scored[0][0]
-    if max(abs(s[4]) for s in scored) < MIN_Z or best <= 0:
-        return None
     upstream = [s for s in scored if s[0] >= UPSTREAM_SHARE * best]
     pick = min(upstream, key=lambda s: (s[1][1], -s[0]))
     score, (kind, layer, head), name, value, z, median, mad, r, n = pick
