@@ -23,6 +23,10 @@ class Agent:
     """`llmobs-agent attach` in a child process; waits on its stderr lines, never on sleeps."""
 
     def __init__(self, *args: str):
+        # The overhead governor (on by default, 1%) may detach costly probes mid-test; these tests count
+        # exactly, so it is off unless a test sets a budget (tests/bpf/test_governor.py does).
+        if "--budget" not in args:
+            args = (*args, "--budget", "0")
         self.proc = subprocess.Popen([*AGENT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.pid = self.proc.pid
         self.lines: list[str] = []

@@ -107,8 +107,8 @@ class _Target:
     rates: dict[str, float] = field(default_factory=dict)
     busy: float = 0.0
     estimate: float = 0.0
-    estimate_sum: float = 0.0
-    estimate_ticks: int = 0
+    estimate_sum: float = 0.0  # sum of estimate x busy: the mean is weighted by the work done
+    estimate_weight: float = 0.0
     error: str | None = None  # why the last tick of this target failed
     last_restore_s: float = -1e18  # restores are spaced so the window sees each one's real rate
 
@@ -231,8 +231,8 @@ class Governor:
         active = [n for n in governed if n not in target.shed]
         overhead = self._overhead(target, active)
         target.estimate = slowdown(overhead, target.busy)
-        target.estimate_sum += target.estimate
-        target.estimate_ticks += 1
+        target.estimate_sum += target.estimate * target.busy
+        target.estimate_weight += target.busy
         if target.estimate > self.budget and overhead >= self.min_overhead:
             return self._shed(target, now_s, active, overhead)
         return self._restore(target, now_s, active, overhead)
@@ -345,7 +345,7 @@ class Governor:
         return {
             "budget": self.budget,
             "estimate": target.estimate,
-            "mean_estimate": target.estimate_sum / target.estimate_ticks if target.estimate_ticks else None,
+            "mean_estimate": target.estimate_sum / target.estimate_weight if target.estimate_weight else None,
             "busy_cores": target.busy,
             "shed": sorted(target.shed),
             "probes": probes,

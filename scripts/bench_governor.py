@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""Benchmark of the overhead governor: tokens/s of a real workload with no agent, with the agent and
+its governor off, and with the governor at a 1% budget, interleaved round by round; the governor's
+estimated slowdown against the measured one; and the start-up calibration's time.
+
+Configurations (each round runs all of them, in turn, on the same workload process):
+
+  none      no agent
+  off       `attach --profile P --budget 0`     every probe stays attached, nothing estimated
+  estimate  `attach --profile P --budget 100`   every probe stays attached; the governor only estimates
+  budget    `attach --profile P --budget 1`     the governor sheds what the 1% budget does not allow
+
+In each agent round the agent attaches, a warm-up generation lets the governor see the hit rates (and
+shed), then the measured generation runs, then the agent is stopped (SIGINT) and its summary parsed:
+the governor's estimate at detach covers the measured phase (window 5 s). Measured slowdown =
+tokens/s(none) / tokens/s(config) - 1, medians over rounds; the ratio estimate / measured says how well
+the cost model predicts the real cost.
+
+Run as root: `.venv/bin/python scripts/bench_governor.py [--model tiny|smollm2] [--rounds 5]`.
+The machine is shared and noisy: read the ratios, not the absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import select
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT = [sys.executable, "-m", "llmobs.cli", "attach"]
+REQUEST_TOKENS = 32
+CONFIGS = {"none": None, "off": "0", "estimate": "100", "budget": "1"}
+
+
+# ---- the workload process (this script with --target) --------------------------------------------------
+def run_target(model_name: str, threads: int) -> int:
+    """An instrumented model answering `gen TOKENS` with `tokens_per_s` (requests of 32 tokens)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import llmobs
+    import torch
+    import workload
+
+    torch.set_num_threads(threads)
+    model, tokenizer, model_id = workload.load_model(model_name)
+    llmobs.instrument(model, tokenizer, model_id=model_id)
+    workload.generate_once(model, tokenizer, [workload.PROMPTS[0]], 4)  # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        tokens = int(line.split()[1])
+        began, done, index = time.perf_counter(), 0, 0
+        while done < tokens:  # requests of REQUEST_TOKENS (the tiny model's context is short)
+            step = min(REQUEST_TOKENS, tokens - done)
+            with llmobs.context(tenant="bench", session=f"bench-{index}"):
+                workload.generate_once(
+                    model, tokenizer, [workload.PROMPTS[index % len(workload.PROMPTS)]], step
+                )
+            done, index = done + step, index + 1
+        print(tokens / (time.perf_counter() - began), flush=True)
+    return 0
+
+
+class Target:
+    def __init__(self, model: str, threads: int):
+        command = [sys.executable, __file__, "--target", "--model", model, "--threads", str(threads)]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.pid = self.proc.pid
+        assert self._line(600) == "ready"
+
+    def _line(self, timeout: float) -> str:
+        readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not readable:
+            raise TimeoutError("the workload did not answer")
+        return self.proc.stdout.readline().strip()
+
+    def generate(self, tokens: int) -> float:
+        self.proc.stdin.write(f"gen {tokens}\n")
+        self.proc.stdin.flush()
+        return float(self._line(600))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+class Agent:
+    """`llmobs-agent attach` on the target; stderr read line by line with bounded waits."""
+
+    def __init__(self, pid: int, profile: str, budget: str):
+        args = [*AGENT, "--pid", str(pid), "--profile", profile, "--budget", budget]
+        self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        self.text = ""
+
+    def wait_for(self, needle: str, timeout: float = 120.0) -> None:
+        fd = self.proc.stderr.fileno()
+        deadline = time.monotonic() + timeout
+        while needle not in self.text:
+            readable, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            chunk = os.read(fd, 65536) if readable else b""
+            if not chunk:
+                raise RuntimeError(f"agent: no {needle!r}:\n{self.text}")
+            self.text += chunk.decode()
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=120)
+        self.text += err.decode()
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"agent exited {self.proc.returncode}:\n{self.text}")
+        return self.text
+
+
+def _percent(pattern: str, text: str) -> float | None:
+    match = re.search(pattern, text)
+    return float(match.group(1)) / 100 if match else None
+
+
+def one_round(target: Target, config: str, profile: str, warm: int, tokens: int) -> dict:
+    agent = None
+    if CONFIGS[config] is not None:
+        agent = Agent(target.pid, profile, CONFIGS[config])
+        agent.wait_for("attached in")
+    target.generate(warm)  # the governor sees the rates and sheds here
+    rate = target.generate(tokens)
+    result = {"tokens_per_s": rate}
+    if agent is not None:
+        text = agent.stop()
+        result["estimate"] = _percent(r"estimated slowdown at detach ([\d.]+)%", text)
+        result["shed"] = re.findall(r"\) shed(?:-last)? (\w+):", text)
+        calibration = re.search(r"calibration \((\w+), (\d+) ms\)", text)
+        if calibration:
+            result["calibration_ms"] = int(calibration.group(2))
+    return result
+
+
+def measure_calibration(repeats: int) -> list[float]:
+    """The class measurement alone (no handlers), in this process, `repeats` times."""
+    from llmobs.governor import calibrate
+
+    took = []
+    for _ in range(repeats):
+        calibrate.reset_cache()
+        took.append(calibrate.measure(None, []).took_s * 1000)
+        calibrate.wait_released()
+    return took
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the workload (default 1)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", default="cpu,host,mem,gemm")
+    parser.add_argument("--tokens", type=int, help="measured tokens per round (default: ~6 s of generation)")
+    args = parser.parse_args()
+    if args.target:
+        return run_target(args.model, args.threads)
+    if os.geteuid() != 0:
+        print("error: run as root (attach needs it)", file=sys.stderr)
+        return 4
+
+    took = measure_calibration(5)
+    print(f"calibration (classes only, in-process): median {statistics.median(took):.0f} ms over 5 "
+          f"(min {min(took):.0f}, max {max(took):.0f})")  # fmt: skip
+
+    target = Target(args.model, args.threads)
+    try:
+        probe_rate = target.generate(16)
+        tokens = args.tokens or max(int(probe_rate * 6), 16)
+        warm = max(tokens // 2, int(probe_rate * 3), 8)  # >= 3 s: the governor's window must see the load
+        print(f"workload {args.model} ({args.threads} thread(s)), pid {target.pid}: {probe_rate:.1f} "
+              f"tokens/s unprobed; rounds of {warm} warm-up + {tokens} measured tokens; "
+              f"profile {args.profile}")  # fmt: skip
+        results: dict[str, list[dict]] = {name: [] for name in CONFIGS}
+        for index in range(args.rounds):
+            order = list(CONFIGS) if index % 2 == 0 else list(reversed(CONFIGS))  # interleaved, both ways
+            for config in order:
+                results[config].append(one_round(target, config, args.profile, warm, tokens))
+            line = "  ".join(f"{c} {results[c][-1]['tokens_per_s']:.1f}" for c in CONFIGS)
+            print(f"round {index + 1}: tokens/s {line}", flush=True)
+    finally:
+        target.close()
+
+    base = statistics.median(r["tokens_per_s"] for r in results["none"])
+    print()
+    head = f"{'config':<10} {'tokens/s':>9} {'vs none':>8} {'measured':>9} {'estimated':>10} {'est/meas':>9}"
+    print(f"{head}  shed")
+    for config, runs in results.items():
+        rate = statistics.median(r["tokens_per_s"] for r in runs)
+        measured = base / rate - 1
+        estimates = [r["estimate"] for r in runs if r.get("estimate") is not None]
+        estimate = statistics.median(estimates) if estimates else None
+        shed = sorted({name for r in runs for name in r.get("shed", [])})
+        est_text = f"{estimate:.2%}" if estimate is not None else "-"
+        ratio = f"{estimate / measured:.2f}" if estimate is not None and measured > 0.001 else "-"
+        print(f"{config:<10} {rate:>9.1f} {rate / base:>8.3f} {measured:>9.2%} {est_text:>10} {ratio:>9}  "
+              f"{','.join(shed) or '-'}")  # fmt: skip
+    cal = [r["calibration_ms"] for runs in results.values() for r in runs if "calibration_ms" in r]
+    if cal:
+        print(f"calibration in attach (classes + the real handlers): median {statistics.median(cal):.0f} "
+              f"ms over {len(cal)} attaches")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
