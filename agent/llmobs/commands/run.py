@@ -15,6 +15,8 @@ import sys
 
 from llmobs.errors import AccessDenied
 
+CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
+
 # flag dest -> config key (the flags override these keys; docs/daemon.md lists them)
 FLAG_KEYS = {
     "db": "store.path",
@@ -72,6 +74,20 @@ def flags_of(args: argparse.Namespace) -> dict[str, object]:
     return {key: getattr(args, dest, None) for dest, key in FLAG_KEYS.items()}
 
 
+def _require_capabilities() -> None:
+    """One clear line without the capabilities to load and attach, root or not (a root shell under a
+    restricted bounding set has none): checked on the effective set, before anything is opened."""
+    from llmobs.procfs import ProcFS
+
+    caps = ProcFS().effective_caps("self")
+    if caps & (1 << CAP_SYS_ADMIN) or (caps & (1 << CAP_BPF) and caps & (1 << CAP_PERFMON)):
+        return
+    raise AccessDenied(
+        "`llmobs-agent run` needs root, or the capabilities systemd/llmobs-agent.service grants",
+        hint="run it as the systemd service (systemd/README.md) or with sudo",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from llmobs.daemon import config as daemon_config
 
@@ -82,19 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.check_config:
         print("\n".join(daemon_config.describe(config)))
         return 0
-    import os
-
-    from llmobs.bpf.session import require_privileges
-    from llmobs.procfs import ProcFS
-
-    if os.geteuid() != 0:
-        try:
-            require_privileges(ProcFS())
-        except AccessDenied:
-            raise AccessDenied(
-                "`llmobs-agent run` needs root or CAP_BPF, CAP_PERFMON, CAP_SYS_PTRACE, CAP_DAC_READ_SEARCH",
-                hint="run it as the systemd service (systemd/README.md) or with sudo",
-            ) from None
+    _require_capabilities()
     from llmobs.daemon.service import Service
 
     sys.stderr.flush()
