@@ -49,6 +49,7 @@ _EMULATED = bytes.fromhex("554889e531c05dc3")  # push %rbp first: emulated by th
 _STEPPED = bytes.fromhex("f30f1efa") + _EMULATED  # endbr64 first: single-stepped
 SLOT_BYTES = 64  # each function at its own offset: one uprobe per (file, offset)
 DATA_OFFSET = 4096 - 64  # the int the argument registers point at
+CELL_OFFSET = 4096 - 192  # a zeroed context cell (seq 0, trace 0, step 0) the handlers read as a target's
 FILE_BYTES = 4096
 MAX_HANDLER_SLOTS = 16
 
@@ -138,6 +139,7 @@ def code_image(handler_slots: int) -> bytes:
         base = _slot_offset(index)
         image[base : base + len(code)] = code
     image[DATA_OFFSET : DATA_OFFSET + 8] = struct.pack("<q", 1)
+    image[CELL_OFFSET : CELL_OFFSET + 64] = bytes(64)
     return bytes(image)
 
 
@@ -298,7 +300,8 @@ def measure(
                 if name.startswith("empty_ret"):
                     probes.attach(empty_fd, slot, True)
         if program is not None and handlers:
-            program.set_target(os.getpid(), 0)  # the handlers run their whole path for this process
+            # the handlers run their whole path for this process, the context-cell read included
+            program.set_target(os.getpid(), code.address + CELL_OFFSET)
             made_target = True
             for index, handler in enumerate(handlers):
                 slot = FIRST_HANDLER_SLOT + index
