@@ -236,7 +236,8 @@ class Pipeline:
 
     def drops(self) -> dict[str, int]:
         """Every place data can be lost, by name (kernel ring, map ring, writer queue, store)."""
-        out = {f"map_{k}": v for k, v in self.shm.counters().items() if k != "steps"}
+        not_lost = ("steps", "already_stored")  # read, or skipped because the store has them
+        out = {f"map_{k}": v for k, v in self.shm.counters().items() if k not in not_lost}
         if self.bpf is not None:
             try:
                 counters = self.bpf.session.counters()
