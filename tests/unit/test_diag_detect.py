@@ -285,3 +285,20 @@ def test_a_forward_with_labels_is_one_request_even_when_a_poll_splits_it():
     assert {s for s, _, _ in flagged} == set(
         np.flatnonzero(score_sequence(losses).ttest | score_sequence(losses).mad_flag)
     )
+
+
+def test_attach_flags_select_the_detectors():
+    from llmobs.cli import build_parser
+    from llmobs.diagnostics.detectors import detector_config
+
+    def config(*flags):
+        return detector_config(build_parser().parse_args(["attach", "--pid", "1", *flags]))
+
+    assert config() == DetectorConfig()
+    assert config("--detector", "off") is None
+    chosen = config(
+        "--detector", "mad", "--detector-window", "64", "--mad-threshold", "5", "--alpha", "0.001"
+    )
+    assert (chosen.enabled, chosen.window, chosen.mad_threshold, chosen.alpha) == (("mad",), 64, 5.0, 0.001)
+    with pytest.raises(ValueError, match="alpha"):
+        config("--alpha", "2")

@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 
+from llmobs.diagnostics.detectors import add_detector_arguments, detector_config
 from llmobs.errors import MissingLibrary
 
 # The ring is submitted without wake-ups; the agent drains it every 20 ms while events flow fast, and
@@ -82,6 +83,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(default 1); above it the costliest uprobes are detached and re-attached when load drops. "
         "0 = governor off (see docs/governor.md)",
     )
+    add_detector_arguments(parser)
     parser.add_argument("--status-interval", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
 
 
@@ -95,6 +97,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.sample < 1:
         print("error: --sample must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        args.detector_config = detector_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     if not 0 <= args.budget <= 100:
         print("error: --budget must be a percentage between 0 (governor off) and 100", file=sys.stderr)
@@ -309,4 +316,7 @@ def _open_pipeline(args: argparse.Namespace, session):
     from llmobs.pipeline import Pipeline
     from llmobs.store import default_db_path
 
-    return Pipeline.open(args.db or default_db_path(), args.pid, session=session, sample_ratio=args.sample)
+    return Pipeline.open(
+        args.db or default_db_path(), args.pid, session=session, sample_ratio=args.sample,
+        detector=args.detector_config,
+    )  # fmt: skip

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
-from scipy import special
 
 DETECTORS = ("ttest", "mad")
 MAD_TO_Z = 0.6745  # the modified z-score's constant: MAD of a standard normal is 0.6745
@@ -87,6 +86,7 @@ class Scores:
 def _score(history: np.ndarray, values: np.ndarray, seen: int, config: DetectorConfig) -> Scores:
     """Score `values` (finite losses, in order) given up to `window` finite losses before them and the
     count of finite losses the request had before them (`seen`, which may exceed the history kept)."""
+    from scipy import special  # here, not at import: the CLI's parsers import this module for its flags
     w = config.window
     seq = np.concatenate([np.full(w, np.nan), history[-w:], values]).astype(np.float64)
     start = w + min(len(history), w)
@@ -295,3 +295,46 @@ def _plain(value):
     if isinstance(value, float) and not np.isfinite(value):
         return None
     return value
+
+
+# ---- command line ----------------------------------------------------------------------------------
+
+
+def add_detector_arguments(parser) -> None:
+    """The detectors' flags, for the commands that run a pipeline (attach, run)."""
+    defaults = DetectorConfig()
+    parser.add_argument(
+        "--detector",
+        choices=("both", *DETECTORS, "off"),
+        default=defaults.detector,
+        help="token-loss anomaly detectors on the live token steps (default both; see docs/diagnostics.md)",
+    )
+    parser.add_argument(
+        "--detector-window",
+        type=int,
+        default=defaults.window,
+        metavar="N",
+        help=f"tokens of the request each loss is compared with (default {defaults.window})",
+    )
+    parser.add_argument(
+        "--alpha",
+        type=float,
+        default=defaults.alpha,
+        help=f"t-test significance level (default {defaults.alpha})",
+    )
+    parser.add_argument(
+        "--mad-threshold",
+        type=float,
+        default=defaults.mad_threshold,
+        metavar="Z",
+        help=f"median/MAD: modified z-score to flag (default {defaults.mad_threshold})",
+    )
+
+
+def detector_config(args) -> DetectorConfig | None:
+    """The DetectorConfig the flags ask for (None: --detector off); ValueError names a bad value."""
+    if args.detector == "off":
+        return None
+    window = args.detector_window
+    return DetectorConfig(detector=args.detector, window=window, min_history=min(8, max(window, 2)),
+                          alpha=args.alpha, mad_threshold=args.mad_threshold)  # fmt: skip
