@@ -302,3 +302,21 @@ def test_attach_flags_select_the_detectors():
     assert (chosen.enabled, chosen.window, chosen.mad_threshold, chosen.alpha) == (("mad",), 64, 5.0, 0.001)
     with pytest.raises(ValueError, match="alpha"):
         config("--alpha", "2")
+
+
+def test_a_version_3_store_gets_the_anomaly_columns_and_keeps_its_rows(tmp_path):
+    import duckdb
+
+    from llmobs.store import schema
+
+    path = tmp_path / "v3.duckdb"
+    conn = duckdb.connect(str(path))
+    assert schema.migrate(conn, target=3) == [1, 2, 3]
+    conn.execute("INSERT INTO anomalies VALUES (5, 7, 11, 'ab', 'old_kind', 1.5, '{}')")
+    conn.close()
+    with DuckDBStore(path) as store:
+        rows = store.connection.execute(
+            "SELECT ts_ns, kind, score, first_step_seq, step, detector, evidence, artifact FROM anomalies"
+        ).fetchall()
+        assert rows == [(5, "old_kind", 1.5, None, None, None, None, None)]
+        assert schema.current_version(store.connection) == schema.LATEST_VERSION >= 4
