@@ -306,7 +306,6 @@ def test_attach_flags_select_the_detectors():
 
 def test_a_version_3_store_gets_the_anomaly_columns_and_keeps_its_rows(tmp_path):
     import duckdb
-
     from llmobs.store import schema
 
     path = tmp_path / "v3.duckdb"
