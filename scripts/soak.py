@@ -13,14 +13,19 @@ each alloc_cpu is one event (timed: entry + return probe) and each free_cpu one,
 means R/2 alloc/free pairs per second. It counts its own calls, so what the agent ingested is checked
 against what really happened.
 
-The agent is `llmobs-agent run` when it exists and `--agent run` is given, else (default)
-`llmobs-agent attach --pid TARGET --profile mem --db PATH`: the real ring-buffer drain, decode,
-correlation and DuckDB ingest, every event stored (no sampling). The store goes to a temporary
-directory, removed at the end unless --keep-db.
+The agent (--agent) is `llmobs-agent attach --pid TARGET --profile mem --db PATH --budget 0` by
+default: the real ring-buffer drain, decode, correlation and DuckDB ingest, every event stored (no
+sampling), with the overhead governor off. The governor must be off: this target does nothing but call
+the probed functions, so any budget is exceeded at once and the probes under test would be shed (the
+soak measures the agent at this rate, not the governor). `--agent run` runs the daemon instead
+(`run --profile mem --command <target path> --overhead-budget 1`), but `run` has no governor-off
+setting (overhead.budget must be in (0, 1]) and its governor sheds both probes within seconds, so it
+soaks an idle daemon. The store goes to a temporary directory, removed at the end unless --keep-db.
 
 Columns: elapsed_s, agent_rss_mb, agent_cpu_pct (of one core, over the interval), events_per_s (ring
-events the agent decoded over the interval, from its status line), target_calls_per_s (alloc/free
-pairs the target made), kernel_drops and user_drops (cumulative), store_mb (file + WAL).
+events the agent decoded over the interval: run's status file RUN_DIR/daemon.json, rewritten each
+second; attach's status line, printed every 10 s, so its figures lag by up to 10 s), target_calls_per_s
+(alloc/free pairs the target made), kernel_drops and user_drops (cumulative), store_mb (file + WAL).
 """
 
 from __future__ import annotations
@@ -163,13 +168,31 @@ def store_bytes(db: Path) -> int:
     return sum(p.stat().st_size for p in db.parent.glob(db.name + "*") if p.is_file())
 
 
-def agent_command(args, target_pid: int, db: Path) -> list[str]:
+def agent_command(args, target_pid: int, db: Path, binary: Path, run_dir: Path) -> list[str]:
     if args.agent == "run":
-        return [str(PYTHON), "-m", "llmobs.cli", "run", "--db", str(db)]
+        return [
+            str(PYTHON), "-m", "llmobs.cli", "run", "--db", str(db), "--profile", "mem",
+            "--command", re.escape(str(binary)), "--interval", "0.5", "--run-dir", str(run_dir),
+            "--overhead-budget", "1",
+        ]  # fmt: skip
     return [
         str(PYTHON), "-m", "llmobs.cli", "attach", "--pid", str(target_pid), "--profile", "mem",
-        "--db", str(db),
+        "--db", str(db), "--budget", "0",
     ]  # fmt: skip
+
+
+def daemon_status(path: Path, pid: int) -> tuple[int, int, int, int] | None:
+    """(0, events, kernel drops, user drops) of the target from run's status file (None: unreadable)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # replaced by rename once a second: absent for an instant at most
+        return None
+    target = next((t for t in data.get("targets", []) if t.get("pid") == pid), None)
+    if target is None:
+        return None
+    drops = target.get("drops", {})
+    user = sum(v for k, v in drops.items() if k not in ("ring_drops", "agg_overflow"))
+    return 0, int(target.get("events", 0)), int(data.get("counters", {}).get("ring_drops", 0)), int(user)
 
 
 def write_plot(rows: list[dict], path: Path, title: str) -> None:
@@ -243,13 +266,17 @@ def main(argv: list[str] | None = None) -> int:
     target_out = LineReader(target.stdout)
     target_lines: list[str] = []
     target_out.wait_for("ready", 30, target_lines)
-    env = dict(os.environ, LLMOBS_RUN_DIR=str(workdir / "run"))
+    run_dir = workdir / "run"
+    env = dict(os.environ, LLMOBS_RUN_DIR=str(run_dir), LLMOBS_CONFIG="")
+    env.pop("NOTIFY_SOCKET", None)
     agent = subprocess.Popen(
-        agent_command(args, target.pid, db), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env
-    )
+        agent_command(args, target.pid, db, binary, run_dir),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
     agent_err = LineReader(agent.stderr)
     agent_lines: list[str] = []
-    agent_out_ok = agent_err.wait_for("attached in", 60, agent_lines)
+    ready = f"attach pid {target.pid} " if args.agent == "run" else "attached in"
+    agent_out_ok = agent_err.wait_for(ready, 60, agent_lines)
     print(
         f"soak: target pid {target.pid} ({args.rate:,} events/s asked), agent pid {agent.pid}: {agent_out_ok}"
     )
@@ -271,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
             for line in target_out.lines(0.0):
                 if line.startswith("calls "):
                     pairs = int(line.split()[1])
+            if args.agent == "run":
+                status = daemon_status(run_dir / "daemon.json", target.pid) or status
             if agent.poll() is not None:
                 raise SystemExit(f"error: the agent exited early ({agent.returncode}): {agent_lines[-5:]}")
             now = time.monotonic()
@@ -295,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             last_time, last_ticks, last_sampled, last_pairs = now, ticks, status[1], pairs
     finally:
         target.send_signal(signal.SIGTERM)
-        agent.send_signal(signal.SIGINT)
+        agent.send_signal(signal.SIGTERM if args.agent == "run" else signal.SIGINT)  # run drains on SIGTERM
         try:
             _, rest = agent.communicate(timeout=600)
         except subprocess.TimeoutExpired:
