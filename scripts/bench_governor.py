@@ -41,7 +41,8 @@ CONFIGS = {"none": None, "off": "0", "estimate": "100", "budget": "1"}
 
 # ---- the workload process (this script with --target) --------------------------------------------------
 def run_target(model_name: str, threads: int) -> int:
-    """An instrumented model answering `gen TOKENS` with `tokens_per_s` (requests of 32 tokens)."""
+    """An instrumented model answering `gen TOKENS` with `tokens_per_s cpu_ms_per_token` (requests of 32
+    tokens; the CPU time is the process's, user + system, all threads: the traps are charged there)."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import llmobs
     import torch
@@ -54,7 +55,7 @@ def run_target(model_name: str, threads: int) -> int:
     print("ready", flush=True)
     for line in sys.stdin:
         tokens = int(line.split()[1])
-        began, done, index = time.perf_counter(), 0, 0
+        began, cpu_began, done, index = time.perf_counter(), time.process_time(), 0, 0
         while done < tokens:  # requests of REQUEST_TOKENS (the tiny model's context is short)
             step = min(REQUEST_TOKENS, tokens - done)
             with llmobs.context(tenant="bench", session=f"bench-{index}"):
@@ -62,7 +63,8 @@ def run_target(model_name: str, threads: int) -> int:
                     model, tokenizer, [workload.PROMPTS[index % len(workload.PROMPTS)]], step
                 )
             done, index = done + step, index + 1
-        print(tokens / (time.perf_counter() - began), flush=True)
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began  # cpu: all threads, user+sys
+        print(tokens / wall, cpu / tokens * 1000, flush=True)
     return 0
 
 
@@ -79,10 +81,11 @@ class Target:
             raise TimeoutError("the workload did not answer")
         return self.proc.stdout.readline().strip()
 
-    def generate(self, tokens: int) -> float:
+    def generate(self, tokens: int) -> tuple[float, float]:
         self.proc.stdin.write(f"gen {tokens}\n")
         self.proc.stdin.flush()
-        return float(self._line(600))
+        rate, cpu_ms = self._line(600).split()
+        return float(rate), float(cpu_ms)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -127,8 +130,8 @@ def one_round(target: Target, config: str, profile: str, warm: int, tokens: int)
         agent = Agent(target.pid, profile, CONFIGS[config])
         agent.wait_for("attached in")
     target.generate(warm)  # the governor sees the rates and sheds here
-    rate = target.generate(tokens)
-    result = {"tokens_per_s": rate}
+    rate, cpu_ms = target.generate(tokens)
+    result = {"tokens_per_s": rate, "cpu_ms_per_token": cpu_ms}
     if agent is not None:
         text = agent.stop()
         result["estimate"] = _percent(r"estimated slowdown at detach ([\d.]+)%", text)
@@ -174,7 +177,7 @@ def main() -> int:
 
     target = Target(args.model, args.threads)
     try:
-        probe_rate = target.generate(16)
+        probe_rate, _ = target.generate(16)
         tokens = args.tokens or max(int(probe_rate * 6), 16)
         warm = max(tokens // 2, int(probe_rate * 3), 8)  # >= 3 s: the governor's window must see the load
         print(f"workload {args.model} ({args.threads} thread(s)), pid {target.pid}: {probe_rate:.1f} "
@@ -185,25 +188,40 @@ def main() -> int:
             order = list(CONFIGS) if index % 2 == 0 else list(reversed(CONFIGS))  # interleaved, both ways
             for config in order:
                 results[config].append(one_round(target, config, args.profile, warm, tokens))
-            line = "  ".join(f"{c} {results[c][-1]['tokens_per_s']:.1f}" for c in CONFIGS)
-            print(f"round {index + 1}: tokens/s {line}", flush=True)
+            line = "  ".join(
+                f"{c} {results[c][-1]['tokens_per_s']:.1f} ({results[c][-1]['cpu_ms_per_token']:.2f})"
+                for c in CONFIGS
+            )
+            print(f"round {index + 1}: tokens/s (CPU ms/token) {line}", flush=True)
     finally:
         target.close()
 
     base = statistics.median(r["tokens_per_s"] for r in results["none"])
+    base_cpu = statistics.median(r["cpu_ms_per_token"] for r in results["none"])
     print()
-    head = f"{'config':<10} {'tokens/s':>9} {'vs none':>8} {'measured':>9} {'estimated':>10} {'est/meas':>9}"
+    print(
+        "slowdown (wall) = tokens/s(none) / tokens/s - 1: what the user sees, agent CPU contention included"
+    )
+    print(
+        "slowdown (cpu)  = workload CPU per token / CPU per token(none) - 1: the probes' cost in the workload"
+    )
+    head = (f"{'config':<9} {'tok/s':>7} {'vs none':>8} {'CPU ms/tok':>10} {'slow wall':>9} {'slow cpu':>9} "
+            f"{'estimated':>9} {'est/wall':>8} {'est/cpu':>8}")  # fmt: skip
     print(f"{head}  shed")
     for config, runs in results.items():
         rate = statistics.median(r["tokens_per_s"] for r in runs)
-        measured = base / rate - 1
+        cpu = statistics.median(r["cpu_ms_per_token"] for r in runs)
+        wall_slow, cpu_slow = base / rate - 1, cpu / base_cpu - 1
         estimates = [r["estimate"] for r in runs if r.get("estimate") is not None]
         estimate = statistics.median(estimates) if estimates else None
         shed = sorted({name for r in runs for name in r.get("shed", [])})
+
+        ratio = {name: f"{estimate / m:.2f}" if estimate is not None and m > 0.005 else "-"
+                 for name, m in (("wall", wall_slow), ("cpu", cpu_slow))}  # fmt: skip
+
         est_text = f"{estimate:.2%}" if estimate is not None else "-"
-        ratio = f"{estimate / measured:.2f}" if estimate is not None and measured > 0.001 else "-"
-        print(f"{config:<10} {rate:>9.1f} {rate / base:>8.3f} {measured:>9.2%} {est_text:>10} {ratio:>9}  "
-              f"{','.join(shed) or '-'}")  # fmt: skip
+        print(f"{config:<9} {rate:>7.1f} {rate / base:>8.3f} {cpu:>10.3f} {wall_slow:>9.2%} {cpu_slow:>9.2%} "
+              f"{est_text:>9} {ratio['wall']:>8} {ratio['cpu']:>8}  {','.join(shed) or '-'}")  # fmt: skip
     cal = [r["calibration_ms"] for runs in results.values() for r in runs if "calibration_ms" in r]
     if cal:
         print(f"calibration in attach (classes + the real handlers): median {statistics.median(cal):.0f} "
