@@ -65,10 +65,11 @@ for line in sys.stdin:
 class CheapTarget:
     """One libc10 target process, driven over its stdin/stdout with bounded waits."""
 
-    def __init__(self):
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", TARGET_SOURCE], stdin=subprocess.PIPE, stdout=subprocess.PIPE
-        )
+    def __init__(self, *tags: str):
+        """`tags`: extra arguments (ignored by the target) that a daemon's command selector can match."""
+        # exec() of the source's repr: a command line without newlines (a daemon logs command lines)
+        command = [sys.executable, "-c", f"exec({TARGET_SOURCE!r})", *tags]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.pid = self.proc.pid
         assert self._line() == "ready"
 
