@@ -24,6 +24,10 @@ step_seq): at its next step boundary the workload copies the last `dump_steps` s
 cmd_arg to the host (the one host sync, only on that command) and writes them as one .npz next to its
 map, `<map>.dLdE.<ack_step_seq>.npz` (arrays grads [n, tokens, dims] float32, step_seq [n], tokens [n],
 batch [n], seq_len [n]), mode 0600, renamed into place so the agent never reads half a file.
+One recorder per process serves the dump command (the model instrumented last with training mode).
+Steps are tagged with the step_seq current at the embedding's forward: a forward with labels (or
+inside llmobs.request) begins that step; a forward that publishes no token step (a loss computed
+outside the model) is tagged with the previous step's step_seq.
 Nothing here raises into the workload: failures are counted in llmobs.publisher.errors.
 """
 

@@ -85,15 +85,23 @@ class StepSpikeDetector:
 
 def step_means(steps: dict) -> list[tuple[int, float, int, str, int]]:
     """(step_seq, mean loss, tokens, trace id and batch row of its worst row) of each training step in
-    a token-step batch: step_seqs with more than one token per row (teacher-forced), finite losses."""
+    a token-step batch: step_seqs with more than one token per row (teacher-forced), finite losses.
+    Decode steps (one token per row) are told apart with two np.unique passes, so an inference
+    workload's batches cost the monitor no per-step Python loop."""
     seqs = np.asarray(steps["step_seq"], np.int64)
-    loss = np.asarray(steps["loss"], np.float64)
     rows = np.asarray(steps["batch_row"], np.int64)
+    uniq, counts = np.unique(seqs, return_counts=True)
+    pairs = np.unique((seqs << 24) | (rows & 0xFFFFFF))  # one entry per (step_seq, row); rows < 2^24
+    rows_per_step = np.unique(pairs >> 24, return_counts=True)[1]
+    training = uniq[counts > rows_per_step]
+    if not len(training):
+        return []
+    loss = np.asarray(steps["loss"], np.float64)
     out = []
-    for seq in np.unique(seqs):
+    for seq in training:
         at = (seqs == seq) & np.isfinite(loss)
-        if at.sum() <= len(np.unique(rows[seqs == seq])):
-            continue  # one token per row: a decode step, not a training step
+        if not at.any():
+            continue
         row_ids = rows[at]
         row_means = {int(r): float(loss[at][row_ids == r].mean()) for r in np.unique(row_ids)}
         worst = max(row_means, key=row_means.get)
