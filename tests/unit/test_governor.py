@@ -267,3 +267,11 @@ def test_build_id_matches_readelf() -> None:
     line = next((ln for ln in notes.splitlines() if "Build ID:" in ln), None)
     expected = bytes.fromhex(line.split("Build ID:")[1].strip()) if line else b""
     assert calibrate.build_id(str(lib)) == expected
+
+
+def test_cost_scale_weighs_the_calibrated_costs() -> None:
+    """0.28% calibrated: under a 1% budget at 3x, over it at 4x (in-situ costs exceed the calibration's)."""
+    for scale, expected in ((3.0, []), (4.0, ["shed-last"])):
+        session = SyntheticSession({"linear": 4_000.0}, {"linear": 700.0})
+        governor, _ = make(session, cost_scale=scale)
+        assert [d.action for d in run(governor, session, 0, 3)] == expected, scale
