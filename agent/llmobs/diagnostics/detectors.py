@@ -87,6 +87,7 @@ def _score(history: np.ndarray, values: np.ndarray, seen: int, config: DetectorC
     """Score `values` (finite losses, in order) given up to `window` finite losses before them and the
     count of finite losses the request had before them (`seen`, which may exceed the history kept)."""
     from scipy import special  # here, not at import: the CLI's parsers import this module for its flags
+
     w = config.window
     seq = np.concatenate([np.full(w, np.nan), history[-w:], values]).astype(np.float64)
     start = w + min(len(history), w)
@@ -180,6 +181,9 @@ class StreamingDetector:
 
     def __post_init__(self) -> None:
         self._open: OrderedDict[tuple, _Open] = OrderedDict()
+        # scipy now, at attach: imported on the first scored batch it stalled the drain loop for
+        # 0.3-0.7 s on a busy host (the first spikes' rows were that late)
+        import scipy.special  # noqa: F401
 
     def add(self, steps: dict, now_ns: int) -> dict[str, list] | None:
         """Score one batch of token steps; the anomaly rows ({column: list}, ANOMALY_COLUMNS) or None.
