@@ -7,6 +7,7 @@ workloads' ready/done pipes, and bpftool's view of the kernel: no sleeps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -35,8 +37,13 @@ def bpftool_json(*args: str) -> list[dict]:
 
 
 def uprobes_of(agent_pid: int) -> list[dict]:
-    """The perf-event uprobes the agent process holds open (bcc 0.26 attaches through the uprobe PMU)."""
-    return [e for e in bpftool_json("perf") if e.get("pid") == agent_pid and e.get("fd_type") == "uprobe"]
+    """The perf-event uprobes the agent process holds open on targets (bcc 0.26 attaches through the
+    uprobe PMU). The agent's calibration probes on its own file are not a target's: left out."""
+    return [
+        e
+        for e in bpftool_json("perf")
+        if e.get("pid") == agent_pid and e.get("fd_type") == "uprobe" and target_of(e)
+    ]
 
 
 def target_of(entry: dict) -> int:
@@ -53,6 +60,11 @@ class Daemon:
         self.config.write_text(config)
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.notify.bind(str(tmp_path / "notify.sock"))
+        # read like systemd does, all along: an unread socket's queue fills and later datagrams are lost
+        self.datagrams: list[list[str]] = []
+        self._arrived = threading.Condition()
+        self._reader = threading.Thread(target=self._read_notify, daemon=True)
+        self._reader.start()
         env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "LLMOBS_CONFIG": ""}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmobs.cli", "run", "--config", str(self.config)],
@@ -90,16 +102,26 @@ class Daemon:
             )
             self._buffer += chunk
 
-    def wait_notify(self, key: str, timeout: float = LINE_TIMEOUT_S) -> list[str]:
-        deadline = time.monotonic() + timeout
+    def _read_notify(self) -> None:
         while True:
-            self.notify.settimeout(max(deadline - time.monotonic(), 0.001))
             try:
-                fields = self.notify.recv(4096).decode().split("\n")
-            except TimeoutError:
-                raise AssertionError(f"no {key} on NOTIFY_SOCKET within {timeout} s") from None
-            if key in fields:
-                return fields
+                data = self.notify.recv(4096)
+            except OSError:  # closed by the test
+                return
+            with self._arrived:
+                self.datagrams.append(data.decode().split("\n"))
+                self._arrived.notify_all()
+
+    def wait_notify(self, key: str, timeout: float = LINE_TIMEOUT_S) -> list[str]:
+        """The first datagram (since the daemon started) holding `key`."""
+
+        def found():
+            return next((fields for fields in self.datagrams if key in fields), None)
+
+        with self._arrived:
+            fields = self._arrived.wait_for(found, timeout)
+        assert fields, f"no {key} on NOTIFY_SOCKET within {timeout} s: {self.datagrams}"
+        return fields
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         self.proc.send_signal(sig)
@@ -110,9 +132,16 @@ class Daemon:
 
     def close(self) -> None:
         if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)  # its stacks, for the failure's report
+            with contextlib.suppress(AssertionError):
+                self.wait_line(r"^Current thread", timeout=5)
+                self.wait_line(r"_run_module_as_main", timeout=2)  # the bottom of the main thread's stack
+            print("\n".join(self.lines), file=sys.stderr)  # shown by pytest with the failure
             self.proc.kill()
             self.proc.wait(timeout=30)
+        self.notify.shutdown(socket.SHUT_RDWR)
         self.notify.close()
+        self._reader.join(timeout=10)
 
 
 def config_text(tmp_path: Path, token: str, extra: str = "") -> str:
@@ -125,8 +154,18 @@ def config_text(tmp_path: Path, token: str, extra: str = "") -> str:
     )
 
 
-def workload(token: str) -> HeldWorkload:
-    return HeldWorkload(
+class Workload(HeldWorkload):
+    """HeldWorkload that, when the test fails before `generate()`, kills the process instead of waiting for
+    a generation nobody started."""
+
+    def __exit__(self, exc_type, *rest) -> None:
+        if exc_type is not None and self.process.poll() is None:
+            self.process.kill()
+        super().__exit__(exc_type, *rest)
+
+
+def workload(token: str) -> Workload:
+    return Workload(
         "--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS), "--session", token
     )
 
@@ -173,10 +212,10 @@ def test_two_workloads_on_one_program_detach_on_exit_and_drain_on_sigterm(tmp_pa
             assert daemon.wait_notify("STOPPING=1")
         finally:
             daemon.close()
-            second.__exit__(None, None, None)
+            second.__exit__(*sys.exc_info())
     finally:
         if first_running:
-            first.__exit__(None, None, None)
+            first.__exit__(*sys.exc_info())
     assert any(re.search(rf"detach pid {second.pid} .*agent stopping \(SIGTERM\)", x) for x in daemon.lines)
     assert uprobes_of(daemon.pid) == []
     # every token step of both workloads is in the store, committed before the daemon exited

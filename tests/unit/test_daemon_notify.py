@@ -74,3 +74,13 @@ def test_failed_send_is_counted_not_raised(tmp_path):
 )
 def test_watchdog_period_is_half_of_watchdog_usec(env, period):
     assert Notifier(env).watchdog_s == period
+
+
+def test_a_supervisor_that_stops_reading_never_blocks_the_sender(path_socket):
+    sock, address = path_socket
+    notifier = Notifier({"NOTIFY_SOCKET": address})
+    results = [notifier.status(f"tick {i}") for i in range(200)]  # nobody reads: the queue fills
+    assert results[0] is True and results[-1] is False
+    assert notifier.failed > 0 and notifier.sent + notifier.failed == 200
+    assert "Resource temporarily unavailable" in notifier.last_error
+    assert receive(sock) == ["STATUS=tick 0"]  # what was queued is intact

@@ -4,8 +4,8 @@ The protocol is one AF_UNIX datagram of newline-separated KEY=VALUE lines; a soc
 '@' is in the abstract namespace (a leading NUL byte). systemd sets $NOTIFY_SOCKET for Type=notify
 units, and $WATCHDOG_USEC (and $WATCHDOG_PID) when WatchdogSec= is set; the service must then send
 WATCHDOG=1 more often than that, conventionally every half of it. Outside systemd nothing is set and
-every call is a no-op. A failed send is counted, never raised: the daemon must not die for its
-supervisor's sake.
+every call is a no-op. A failed send is counted, never raised, and a send never waits: the daemon must
+neither die nor stall for its supervisor's sake.
 """
 
 from __future__ import annotations
@@ -39,7 +39,10 @@ class Notifier:
             return False
         payload = "\n".join(line.replace("\n", " ") for line in lines).encode()
         try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            # non-blocking: a supervisor that stops reading fills the socket's queue (10 datagrams by
+            # default), and a blocking send would then freeze the drain loop
+            flags = socket.SOCK_DGRAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK
+            with socket.socket(socket.AF_UNIX, flags) as sock:
                 sock.sendto(payload, self.address)
         except OSError as exc:
             self.failed += 1

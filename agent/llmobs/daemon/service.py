@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import faulthandler
 import os
 import select
 import signal
@@ -72,6 +73,7 @@ class Service:
         self.last_reload_error: str | None = None
         self.detached_total = 0
         self.hook_errors: dict[str, str] = {}
+        self.last_sample: dict | None = None  # the self-telemetry's last reading
         self._flags = {"stop": None, "reload": False}
         self._logged_refusals: set[tuple[int, int]] = set()
         self._wake_r = self._wake_w = -1
@@ -112,6 +114,8 @@ class Service:
             sample_n=config.sample_n,
             sample_mode=config.sample_mode,
             ioctl_paths=config.ioctl_paths,
+            # per-hit cost of each uprobe, measured once per agent process: what the governor weighs
+            calibrate=True,
         )
         fleet = Fleet(options, self.store, config.run_dir, log=self.log)
         fleet.start()
@@ -121,29 +125,46 @@ class Service:
         return fleet
 
     def _overhead_hooks(self, budget: float):
-        """The governor and self-telemetry of llmobs.governor when that package provides them."""
+        """The overhead governor (it logs its own decisions through self.log) and the self-telemetry of
+        llmobs.governor; a build without them runs without, and says so once."""
+        try:
+            from llmobs.governor import Governor, SelfTelemetry
+        except ImportError as exc:
+            self.hook_errors["governor"] = f"llmobs.governor is not available in this build ({exc})"
+            self.log(f"governor: {self.hook_errors['governor']}; running without it")
+            return None, None
         governor = telemetry = None
         try:
-            from llmobs.governor import Governor
-        except ImportError:
-            self.hook_errors["governor"] = "llmobs.governor.Governor is not available in this build"
-        else:
-            try:
-                governor = Governor(budget, log=self.log)
-            except Exception as exc:
-                self.hook_errors["governor"] = f"could not start: {exc}"
+            governor = Governor(budget, log=self.log)
+        except Exception as exc:
+            self.hook_errors["governor"] = f"could not start: {exc}"
+            self.log(f"governor: could not start ({exc}); running without it")
         try:
-            from llmobs.governor.telemetry import SelfTelemetry
-        except ImportError:
-            self.hook_errors["telemetry"] = "llmobs.governor.telemetry is not available in this build"
-        else:
-            try:
-                telemetry = SelfTelemetry()
-            except Exception as exc:
-                self.hook_errors["telemetry"] = f"could not start: {exc}"
-        for name, why in self.hook_errors.items():
-            self.log(f"{name}: {why}; running without it")
+            telemetry = SelfTelemetry(governor)
+            if self.exporter is not None:
+                telemetry.track_exporter(self.exporter)
+        except Exception as exc:
+            self.hook_errors["telemetry"] = f"could not start: {exc}"
+            self.log(f"telemetry: could not start ({exc}); running without it")
         return governor, telemetry
+
+    def _govern(self, now: float) -> None:
+        """One governor tick (it logs each shed/restore decision) and one self-telemetry sample, handed to
+        `top` through every target's snapshot and to OTLP as the llmobs.agent.* metrics."""
+        if self.governor is not None:
+            self._hook("governor", self.governor.tick, now)
+        if self.telemetry is None:
+            return
+        self.last_sample = self._hook("telemetry", self.telemetry.sample)
+        if self.last_sample is None:
+            return
+        from llmobs.governor.telemetry import agent_metrics, top_fields
+
+        for pid, target in self.fleet.targets.items():
+            state = self._hook("governor", self.governor.target_state, pid) if self.governor else None
+            target.pipeline.live.agent = self._hook("telemetry", top_fields, self.last_sample, state)
+        if self.exporter is not None:
+            self._hook("telemetry", self.exporter.metrics.set_agent_metrics, agent_metrics(self.last_sample))
 
     def _hook(self, name: str, call: Callable, *args):
         """Calls into the governor/telemetry; a failure is logged once and never stops the daemon."""
@@ -171,9 +192,12 @@ class Service:
             signal.SIGHUP: signal.signal(signal.SIGHUP, on_hup),
         }
         self._previous_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        # SIGUSR1 prints every thread's stack to stderr (the journal): how to see where a stuck agent is
+        faulthandler.register(signal.SIGUSR1, all_threads=True, chain=False)
         return previous
 
     def _restore_signals(self, previous: dict) -> None:
+        faulthandler.unregister(signal.SIGUSR1)
         signal.set_wakeup_fd(self._previous_wakeup)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -273,6 +297,9 @@ class Service:
         )
         if self.governor is not None:
             self._hook("governor", self.governor.track, session)
+        if self.telemetry is not None:
+            self._hook("telemetry", self.telemetry.track_session, session)
+            self._hook("telemetry", self.telemetry.track_pipeline, target.pipeline)
 
     def _refuse(self, proc: Proc, reason: str) -> None:
         self.watcher.refuse(proc, reason)
@@ -287,6 +314,9 @@ class Service:
         if self.governor is not None:
             self._hook("governor", self.governor.untrack, target.session)
         detached = self.fleet.remove(pid, reason)
+        if self.telemetry is not None:
+            self._hook("telemetry", self.telemetry.untrack_session, target.session, detached.final)
+            self._hook("telemetry", self.telemetry.untrack_pipeline, target.pipeline)
         self.watcher.forget(pid)  # a process still selected (probes reconfigured) is found again
         self.detached_total += 1
         self._write_status()
@@ -308,9 +338,7 @@ class Service:
         for pid, target in list(self.fleet.targets.items()):
             if not target.session.target_alive():
                 self._detach(pid, "exited")
-        if self.governor is not None:
-            for decision in self._hook("governor", self.governor.tick, now) or ():
-                self.log(f"governor: {decision}")
+        self._govern(now)
         self._write_status()
         self.notifier.status(self._status_text())
 
@@ -346,8 +374,8 @@ class Service:
         }
         if self.governor is not None:
             data["governor"] = self._hook("governor", self.governor.snapshot)
-        if self.telemetry is not None:
-            data["telemetry"] = self._hook("telemetry", self.telemetry.sample)
+        if self.last_sample is not None:
+            data["telemetry"] = self.last_sample
         if self.exporter is not None:
             data["otlp"] = self.exporter.counters.as_dict()
         return data
@@ -398,8 +426,7 @@ class Service:
             self.watcher.set_selectors(Selectors.of(new), new.recheck_s)
             self._logged_refusals.clear()
         if "overhead.budget" in live and self.governor is not None:
-            with contextlib.suppress(AttributeError):
-                self.governor.budget = new.overhead_budget
+            self._hook("governor", self.governor.set_budget, new.overhead_budget)
         self.notifier.ready(self._status_text())
 
     # ---- retention and stop -----------------------------------------------------------------------
