@@ -10,6 +10,7 @@ precedence with the standard OTEL_EXPORTER_OTLP_* variables. SETTINGS is the doc
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -520,7 +521,7 @@ def _show(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str | Path):
-        return f'"{value}"'
+        return json.dumps(str(value))  # a TOML basic string: backslashes and quotes escaped
     if isinstance(value, tuple | list):
         return "[" + ", ".join(_show(v) for v in value) + "]"
     return str(value)
