@@ -46,6 +46,15 @@ def uprobes_of(agent_pid: int) -> list[dict]:
     ]
 
 
+def perf_fds(pid: int) -> int:
+    """The perf-event descriptors a process holds (one per attached uprobe / tracepoint)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            count += os.readlink(fd) == "anon_inode:[perf_event]"
+    return count
+
+
 def target_of(entry: dict) -> int:
     """bcc names a per-pid uprobe's file through /proc/<target pid>/root/..."""
     match = re.match(r"/proc/(\d+)/root/", entry.get("filename", ""))
@@ -150,6 +159,8 @@ def config_text(tmp_path: Path, token: str, extra: str = "") -> str:
         f'[daemon]\nrun_dir = "{tmp_path / "run"}"\n'
         f'[select]\ncommand = "{token}"\n'
         "[discovery]\ninterval_s = 0.2\n"
+        # the whole budget: the governor must not shed a probe these tests count
+        "[overhead]\nbudget = 1.0\n"
         f'[probes]\nprofiles = ["cpu", "host"]\n{extra}'
     )
 
@@ -201,11 +212,14 @@ def test_two_workloads_on_one_program_detach_on_exit_and_drain_on_sigterm(tmp_pa
 
             first.generate()
             second.generate()
+            fds_with_both = perf_fds(daemon.pid)
             first.__exit__(None, None, None)  # the first workload exits: detached, its probes gone
             first_running = False
             daemon.wait_line(rf"detach pid {first.pid} .*: exited; ")
             left = uprobes_of(daemon.pid)
             assert [target_of(e) for e in left] == [second.pid], left
+            # its perf-event fds were closed too: exactly as many fewer as it had uprobes
+            assert perf_fds(daemon.pid) == fds_with_both - (len(probes) - len(left))
             assert not (tmp_path / "run" / f"attach.{first.pid}.json").exists()
 
             assert daemon.stop(signal.SIGTERM) == 0, "\n".join(daemon.lines)
