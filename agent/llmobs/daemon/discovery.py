@@ -150,8 +150,8 @@ class ProcWatcher:
             if pid in self.exclude:
                 continue
             try:
-                live[pid] = self.procfs.start_time_ticks(pid)
-            except (LlmobsError, OSError, ValueError, IndexError):
+                live[pid] = self._start_ticks(pid)
+            except (OSError, ValueError, IndexError):
                 continue  # gone (or a kernel thread's odd stat) between the listing and the read
         gone = [p for pid, p in self.tracked.items() if live.get(pid) != p.start_ticks]
         if self._recheck_tracked:
@@ -178,6 +178,17 @@ class ProcWatcher:
             self.tracked[pid] = proc
             appeared.append(proc)
         return appeared, gone
+
+    def _start_ticks(self, pid: int) -> int:
+        """Field 22 of /proc/PID/stat with one read and no text decoding: this runs for every pid of the
+        host on every scan (4x cheaper than ProcFS's general parse, measured by bench_discovery)."""
+        fd = os.open(f"{self.procfs.root}/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 1024)
+        finally:
+            os.close(fd)
+        # comm (field 2) may hold spaces and ')': the fields after the LAST ')' start at the state (3)
+        return int(data[data.rindex(b")") + 2 :].split(None, 20)[19])
 
     def _age_s(self, start_ticks: int) -> float:
         return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / _CLK_TCK
