@@ -12,6 +12,7 @@ systemd hears READY=1 once the program is loaded, WATCHDOG=1 every half Watchdog
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import faulthandler
 import os
@@ -37,6 +38,7 @@ DRAIN_PERIOD_S = (0.02, 0.1)  # as `attach`: fast while events flow, slower whil
 SLOW_TICK_S = 1.0  # target exits, governor, status file
 RETENTION_EVERY_S = 600.0
 STATUS_FILE = "daemon.json"
+DUCKDB_MEMORY_LIMIT = "256MB"  # the store's working memory (it spills to disk beyond): within MemoryMax
 # probes.* keys change what the program is compiled with or how rows are weighted: the fleet is rebuilt
 FLEET_KEYS = ("probes.profiles", "probes.sample_n", "probes.sample_mode", "probes.ioctl_paths")
 SELECT_KEYS = ("select.users", "select.cgroup", "select.command", "discovery.recheck_s")
@@ -93,6 +95,10 @@ class Service:
         except OSError as exc:
             raise LlmobsError(f"cannot create the run dir {config.run_dir}: {exc.strerror}") from None
         self.store = DuckDBStore(config.store_path)
+        try:  # DuckDB's default is 80% of the host's RAM: far above the unit's MemoryMax; it spills instead
+            self.store.connection.execute(f"SET memory_limit = '{DUCKDB_MEMORY_LIMIT}'")
+        except Exception as exc:
+            self.log(f"store: could not limit DuckDB's memory: {exc}")
         if config.retention_bytes:  # before any cursor exists: compaction swaps the file
             self._retention(by_size=True)
         self.fleet = self._new_fleet(config)
@@ -119,6 +125,7 @@ class Service:
         )
         fleet = Fleet(options, self.store, config.run_dir, log=self.log)
         fleet.start()
+        _release_heap()
         offered = [p.name for p in fleet.program.probes]
         skipped = "".join(f"; {name} unavailable: {why}" for name, why in fleet.skipped.items())
         self.log(f"program loaded: profiles {','.join(config.profiles)}: {', '.join(offered)}{skipped}")
@@ -465,6 +472,13 @@ class Service:
             if not result.ok:
                 self.log(f"store close: {result.error}")
         remove_snapshot(self.status_path())
+
+
+def _release_heap() -> None:
+    """Gives the compiler's freed heap back to the system: bcc's LLVM leaves ~30 MB of free arenas after
+    a compile (measured: 232 -> 203 MB RSS), which would otherwise count against MemoryMax for good."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _setting(key: str):
