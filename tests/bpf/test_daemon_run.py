@@ -26,6 +26,8 @@ import pytest
 from held_workload import HeldWorkload
 
 pytest.importorskip("bcc")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from rotel_harness import Rotel  # noqa: E402
 
 LINE_TIMEOUT_S = 40.0
 REQUESTS, TOKENS = 2, 8
@@ -277,3 +279,25 @@ def test_sighup_with_changed_selector_detaches_and_a_bad_config_is_kept_out(tmp_
         finally:
             daemon.close()
     assert uprobes_of(daemon.pid) == []
+
+
+def test_otlp_export_runs_while_attached_and_finishes_on_sigterm(tmp_path):
+    token = f"llmobs-daemon-{uuid.uuid4().hex[:10]}"
+    with Rotel(tmp_path / "rotel") as collector:
+        with workload(token) as target:
+            otlp = f'[otlp]\nendpoint = "{collector.grpc_endpoint}"\n'
+            daemon = Daemon(tmp_path, config_text(tmp_path, token) + otlp)
+            try:
+                daemon.wait_line(rf"running: .*, otlp {re.escape(collector.grpc_endpoint)}$")
+                daemon.wait_line(rf"attach pid {target.pid} ")
+                target.generate()
+                assert daemon.stop(signal.SIGTERM) == 0, "\n".join(daemon.lines)
+            finally:
+                daemon.close()
+        collector.stop()  # SIGTERM: rotel writes out everything it accepted
+        steps = [span for span in collector.spans() if span.name == "gen_ai.token_step"]
+    sent = next(line for line in daemon.lines if "otlp: " in line and "spans sent" in line)
+    # a span per token step and one per request, all acknowledged
+    assert f"otlp: {REQUESTS * TOKENS + REQUESTS:,} spans sent, 0 failed attempts" in sent, daemon.lines
+    assert len(steps) == REQUESTS * TOKENS
+    assert {span.attributes["llmobs.tenant"] for span in steps} == {"demo"}
