@@ -66,7 +66,7 @@ def target_of(entry: dict) -> int:
 class Daemon:
     """`llmobs-agent run --config FILE` with its stderr lines and a notify socket read by the test."""
 
-    def __init__(self, tmp_path: Path, config: str):
+    def __init__(self, tmp_path: Path, config: str, env: dict | None = None):
         self.config = tmp_path / "agent.toml"
         self.config.write_text(config)
         self.notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -76,7 +76,12 @@ class Daemon:
         self._arrived = threading.Condition()
         self._reader = threading.Thread(target=self._read_notify, daemon=True)
         self._reader.start()
-        env = {**os.environ, "NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "LLMOBS_CONFIG": ""}
+        env = {
+            **os.environ,
+            "NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
+            "LLMOBS_CONFIG": "",
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmobs.cli", "run", "--config", str(self.config)],
             stdout=subprocess.DEVNULL,
@@ -250,9 +255,10 @@ def test_two_workloads_on_one_program_detach_on_exit_and_drain_on_sigterm(tmp_pa
 def test_sighup_with_changed_selector_detaches_and_a_bad_config_is_kept_out(tmp_path):
     token = f"llmobs-daemon-{uuid.uuid4().hex[:10]}"
     with workload(token) as target:
-        daemon = Daemon(tmp_path, config_text(tmp_path, token))
+        daemon = Daemon(tmp_path, config_text(tmp_path, token), env={"WATCHDOG_USEC": "400000"})
         try:
             daemon.wait_notify("READY=1")
+            daemon.wait_notify("WATCHDOG=1")  # every WATCHDOG_USEC / 2 from the main loop
             daemon.wait_line(rf"attach pid {target.pid} ")
             assert [target_of(e) for e in uprobes_of(daemon.pid)] == [target.pid]
 
@@ -274,6 +280,8 @@ def test_sighup_with_changed_selector_detaches_and_a_bad_config_is_kept_out(tmp_
             daemon.config.write_text(config_text(tmp_path, token))
             daemon.proc.send_signal(signal.SIGHUP)
             daemon.wait_line(rf"attach pid {target.pid} ")
+            reloads = sum("RELOADING=1" in fields for fields in daemon.datagrams)
+            assert reloads == 3  # one per SIGHUP, each followed by READY=1
             target.generate()  # (HeldWorkload's exit expects the generation done)
             assert daemon.stop(signal.SIGINT) == 0
         finally:
