@@ -27,7 +27,7 @@ from llmobs.bpf.records import EVENT_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
 from llmobs.bpf.session import AttachSession, Options, tracepoint_available
 from llmobs.daemon.discovery import Proc
-from llmobs.errors import NoSuchProcess
+from llmobs.errors import MissingLibrary, NoSuchProcess
 from llmobs.pipeline import Pipeline
 from llmobs.pipeline.core import PipelineSummary
 from llmobs.pipeline.live import snapshot_path
@@ -79,7 +79,11 @@ class Fleet:
                 self.skipped[probe.name] = missing
             else:
                 probes.append(probe)
-        self.program = ProbeProgram(probes)
+        try:
+            self.program = ProbeProgram(probes)
+        except Exception as exc:  # bcc raises plain Exceptions (no kernel headers, a verifier refusal)
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise MissingLibrary(f"cannot compile or load the BPF program: {first}") from exc
         self.program.reset_maps()
         self.program.set_sampling(self.options.sample_n, self.options.sample_mode)
         self.ring = RingConsumer(self.program.map_fd("llmobs_events"), self.program.ring_bytes)

@@ -30,7 +30,7 @@ from llmobs.daemon.config import SETTINGS, DaemonConfig
 from llmobs.daemon.discovery import Proc, ProcWatcher, Selectors
 from llmobs.daemon.fleet import Detached, Fleet, Target
 from llmobs.daemon.notify import Notifier
-from llmobs.errors import LlmobsError, MissingLibrary
+from llmobs.errors import AccessDenied, LlmobsError, MissingLibrary
 from llmobs.pipeline.live import remove_snapshot, write_snapshot
 from llmobs.procfs import ProcFS
 
@@ -92,6 +92,8 @@ class Service:
         config = self.config
         try:
             config.run_dir.mkdir(parents=True, exist_ok=True)
+        except PermissionError as exc:
+            raise AccessDenied(f"cannot create the run dir {config.run_dir}: {exc.strerror}") from None
         except OSError as exc:
             raise LlmobsError(f"cannot create the run dir {config.run_dir}: {exc.strerror}") from None
         self.store = DuckDBStore(config.store_path)
