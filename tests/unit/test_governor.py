@@ -275,3 +275,15 @@ def test_cost_scale_weighs_the_calibrated_costs() -> None:
         session = SyntheticSession({"linear": 4_000.0}, {"linear": 700.0})
         governor, _ = make(session, cost_scale=scale)
         assert [d.action for d in run(governor, session, 0, 3)] == expected, scale
+
+
+def test_attach_refuses_a_budget_outside_0_to_100() -> None:
+    import sys
+
+    for value in ("-1", "101"):
+        out = subprocess.run(
+            [sys.executable, "-m", "llmobs.cli", "attach", "--pid", "1", "--budget", value],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip() == "error: --budget must be a percentage between 0 (governor off) and 100"
