@@ -39,6 +39,7 @@ class ShmSource:
         self.layers_cursor = 0
         self.layer_rows = 0  # layer-stream records returned
         self._modules: set[tuple[int, int, str]] = set()  # layer-stream module names already returned
+        self._names_seen = 0  # names of the reader already looked at for module names
         self.steps = 0  # token steps returned
         # The newest (t_start_ns, step_seq, batch_row) of this pid already in the store, set by the
         # pipeline: a restarted agent reads the map's ring from its start, and must not store twice the
@@ -62,6 +63,7 @@ class ShmSource:
         self._next_open = time.monotonic() + REOPEN_PERIOD_S
         try:
             self.reader = ShmReader(self.pid, shm_dir=self.shm_dir, proc_root=self.proc_root)
+            self._names_seen = 0  # a new reader starts its names map afresh
         except NotTracked as exc:  # no map (yet): said in the summary if it never appears
             self.waiting = str(exc)
             return False
@@ -156,12 +158,16 @@ class ShmSource:
             return None
         from llmobs.publisher_layers import parse_module_name
 
+        names = self.reader.names  # hash -> text, only ever grows: look at the names added since last time
+        if len(names) == self._names_seen:
+            return None
         fresh = []
-        for text in list(self.reader.names.values()):
+        for text in list(names.values())[self._names_seen :]:
             parsed = parse_module_name(text)
             if parsed is not None and parsed not in self._modules:
                 self._modules.add(parsed)
                 fresh.append(parsed)
+        self._names_seen = len(names)
         if not fresh:
             return None
         return {
