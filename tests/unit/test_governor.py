@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from llmobs.bpf.profiles import PROBE_IDS, PROBES
 from llmobs.governor import Governor, calibrate
-from llmobs.governor.governor import slowdown
+from llmobs.governor.governor import MAX_SLOWDOWN, MIN_USEFUL_SHARE, slowdown, useful_work
 
 BY_NAME = {probe.name: probe for probe in PROBES}
 
@@ -73,6 +73,7 @@ def run(governor: Governor, session: SyntheticSession, start: float, seconds: in
 
 def make(session: SyntheticSession, budget: float = 0.01, **kw) -> tuple[Governor, list[str]]:
     lines: list[str] = []
+    kw.setdefault("cost_scale", 1.0)  # the synthetic session charges exactly the calibrated cost
     governor = Governor(budget, log=lines.append, cpu_seconds=lambda pid: session.cpu, **kw)
     governor.track(session)
     governor.tick(0.0)
@@ -85,9 +86,26 @@ COSTS = {"alloc_cpu": 1000.0, "free_cpu": 700.0, "linear": 700.0}
 
 
 def test_slowdown_is_overhead_over_the_work_left() -> None:
-    assert slowdown(0.0, 1.0) == 0.0
-    assert slowdown(0.01, 1.01) == pytest.approx(0.01)
-    assert slowdown(0.02, 0.0) > 1.0  # all busy time was probe time: capped, still huge
+    assert slowdown(0.0, useful_work(0.0, 1.0)) == 0.0
+    assert slowdown(0.01, useful_work(0.01, 1.01)) == pytest.approx(0.01)
+    # all busy time (or more) was probe time: the work left is floored at 1% of busy, the estimate clamped
+    assert slowdown(0.02, useful_work(0.02, 0.02)) == pytest.approx(1 / MIN_USEFUL_SHARE)
+    assert slowdown(5.0, useful_work(5.0, 0.0)) == MAX_SLOWDOWN
+
+
+def test_a_probe_bound_target_gets_a_finite_estimate_that_shedding_only_lowers() -> None:
+    """The soak target: a process that does nothing but call the probed functions, with in-situ costs
+    below the scaled calibration (the daemon logged 'shed alloc_cpu: 2010.71% -> 1945744.86%')."""
+    rates = {"alloc_cpu": 400_000.0, "free_cpu": 400_000.0, "linear": 20_000.0}
+    session = SyntheticSession(rates, {"alloc_cpu": 1000.0, "free_cpu": 700.0, "linear": 700.0}, busy=0.01)
+    governor, lines = make(session, cost_scale=2.3)
+    decisions = run(governor, session, 0, 3)
+    assert [d.probe for d in decisions] == ["alloc_cpu", "free_cpu", "linear"], lines
+    for decision in decisions:
+        assert 0 <= decision.after <= decision.before <= MAX_SLOWDOWN, decision.line()
+    assert all(a.after == pytest.approx(b.before) for a, b in zip(decisions, decisions[1:], strict=False))
+    assert "probe-bound" in decisions[0].reason and "\n" not in lines[0]
+    assert decisions[-1].after == pytest.approx(0.0, abs=1e-9)
 
 
 def test_sheds_costliest_first_until_within_budget() -> None:

@@ -7,7 +7,11 @@ over a sliding window, and weighs them with the calibrated per-hit cost of each 
 threads): the traps run in the workload's own context and are part of it, so
 
     overhead = sum(rate_i * cost_i)            (CPU-seconds per second spent in probe hits)
-    slowdown = overhead / (busy - overhead)    (how much longer the same work takes with the probes)
+    useful   = busy - overhead                 (the workload's own work; floored, see useful_work)
+    slowdown = overhead / useful               (how much longer the same work takes with the probes)
+
+Shedding a probe removes its share from busy and overhead alike, so `useful` is computed once per tick
+and every estimate of that tick divides by it: shedding only ever lowers the estimate.
 
 When the slowdown exceeds the budget (and the probes take at least `min_overhead` of a core: a
 nearly idle process is not slowed down in any way that matters, however its few CPU ticks compare)
@@ -40,6 +44,12 @@ from llmobs.bpf.profiles import PROBES
 from llmobs.governor import calibrate
 
 DEFAULT_BUDGET = 0.01
+DEFAULT_COST_SCALE = 1.0  # calibrated costs x this
+# When the probes' estimated cost reaches the workload's whole CPU time (a target that does nothing but
+# call probed functions, or costs overestimated in situ), its own work is taken as this share of busy:
+# the estimate stays finite (at most 1/MIN_USEFUL_SHARE - 1 more work) instead of dividing by ~0.
+MIN_USEFUL_SHARE = 0.01
+MAX_SLOWDOWN = 100.0  # 10,000%: any estimate beyond it says only "the probes dominate this process"
 _NAMES = [probe.name for probe in PROBES]
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -69,11 +79,23 @@ class Decision:
         return asdict(self)
 
 
-def slowdown(overhead: float, busy: float) -> float:
-    """Slowdown of a workload busy `busy` cores of which `overhead` went to probe hits."""
+def useful_work(overhead: float, busy: float) -> float:
+    """The workload's own work (cores) when `overhead` of its `busy` cores went to probe hits; at least
+    MIN_USEFUL_SHARE of busy (the estimated overhead may reach busy: rates and costs are estimated)."""
+    return max(busy - overhead, MIN_USEFUL_SHARE * busy, 1e-9)
+
+
+def slowdown(overhead: float, useful: float) -> float:
+    """How much longer `useful` cores of work take with `overhead` cores of probe hits added, <= MAX_SLOWDOWN.
+    Increasing in overhead for a fixed `useful` - the tick's useful_work(), which shedding does not change."""
     if overhead <= 0:
         return 0.0
-    return overhead / max(busy - overhead, 0.1 * busy, 1e-6)
+    return min(overhead / max(useful, 1e-9), MAX_SLOWDOWN)
+
+
+def probe_bound(overhead: float, busy: float) -> bool:
+    """The probes' estimated cost is (nearly) all of the workload's CPU: the estimate is floored/clamped."""
+    return busy - overhead <= MIN_USEFUL_SHARE * busy
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -106,6 +128,7 @@ class _Target:
     calm_since: dict[str, float] = field(default_factory=dict)  # restore condition held since
     rates: dict[str, float] = field(default_factory=dict)
     busy: float = 0.0
+    useful: float = 0.0  # busy minus the active probes' overhead (floored), for this tick
     estimate: float = 0.0
     estimate_sum: float = 0.0  # sum of estimate x busy: the mean is weighted by the work done
     estimate_weight: float = 0.0
@@ -127,7 +150,7 @@ class Governor:
         hold_s: float = 10.0,
         min_interval_s: float = 5.0,
         min_overhead: float = 0.001,
-        cost_scale: float = 1.0,
+        cost_scale: float = DEFAULT_COST_SCALE,
         cpu_seconds: Callable[[int], float | None] = process_cpu_seconds,
         history: int = 100,
     ):
@@ -141,9 +164,9 @@ class Governor:
         self.hold_s = hold_s
         self.min_interval_s = min_interval_s
         self.min_overhead = min_overhead
-        # calibrated costs x cost_scale: a hit inside a real workload costs more than in the calibration's
-        # tight loop (cold caches, the workload's own code disturbed; ~2.7x here, docs/governor.md)
-        self.cost_scale = cost_scale
+        if not cost_scale > 0:
+            raise ValueError("the governor's cost scale must be > 0")
+        self.cost_scale = cost_scale  # calibrated costs x this (DEFAULT_COST_SCALE says why)
         self.cpu_seconds = cpu_seconds
         self.targets: dict[int, _Target] = {}
         self.decisions: deque[Decision] = deque(maxlen=history)
@@ -235,7 +258,8 @@ class Governor:
         governed = [n for n in self._governed(session) if n in target.costs]
         active = [n for n in governed if n not in target.shed]
         overhead = self._overhead(target, active)
-        target.estimate = slowdown(overhead, target.busy)
+        target.useful = useful_work(overhead, target.busy)
+        target.estimate = slowdown(overhead, target.useful)
         target.estimate_sum += target.estimate * target.busy
         target.estimate_weight += target.busy
         if target.estimate > self.budget and overhead >= self.min_overhead:
@@ -244,23 +268,29 @@ class Governor:
 
     def _shed(self, target: _Target, now_s: float, active: list[str], overhead: float) -> list[Decision]:
         decisions = []
-        busy = target.busy
+        useful = target.useful  # unchanged by shedding: a shed probe's share leaves busy and overhead alike
+        busy_left = target.busy  # the busy time expected without the probes shed so far (for restores)
         by_weight = sorted(
             active, key=lambda n: target.rates.get(n, 0.0) * target.costs[n].cost_ns, reverse=True
         )
         remaining = list(active)
         for name in by_weight:
-            if slowdown(overhead, busy) <= self.budget:
+            if slowdown(overhead, useful) <= self.budget:
                 break
             rate = target.rates.get(name, 0.0)
             if rate <= 0:
                 continue
-            before = slowdown(overhead, busy)
+            before = slowdown(overhead, useful)
             part = rate * self._cost_s(target, name)
-            after = slowdown(overhead - part, busy - part)
+            after = slowdown(max(overhead - part, 0.0), useful)
             last = len(remaining) == 1
             action = "shed-last" if last else "shed"
             reason = f"over the {self.budget:.2%} budget"
+            if probe_bound(overhead, target.busy):
+                reason += (
+                    f"; probe-bound: the probes' estimated {overhead:.3f} cores >= the workload's "
+                    f"{target.busy:.3f} busy cores, its own work taken as {MIN_USEFUL_SHARE:.0%} of them"
+                )
             if last:
                 reason += "; the last governed probe: pid now has no uprobe attached"
             try:
@@ -275,14 +305,14 @@ class Governor:
             restored = target.restored_at.get(name)
             if restored is not None and now_s - restored < 2 * self.hold_s * 2 ** target.flaps.get(name, 0):
                 target.flaps[name] = min(target.flaps.get(name, 0) + 1, 3)  # shed soon after a restore
-            target.shed[name] = _Shed(now_s, rate, busy)
+            busy_left = max(busy_left - part, useful)
+            target.shed[name] = _Shed(now_s, rate, busy_left)
             target.last_change[name] = now_s
             target.calm_since.pop(name, None)
             remaining.remove(name)
-            overhead -= part
-            busy -= part
+            overhead = max(overhead - part, 0.0)
             decisions.append(self._decision(now_s, target, name, action, before, after, reason, rate))
-        target.estimate = slowdown(overhead, busy)
+        target.estimate = slowdown(overhead, useful)
         return decisions
 
     def _restore(self, target: _Target, now_s: float, active: list[str], overhead: float) -> list[Decision]:
@@ -295,7 +325,7 @@ class Governor:
         )
         for name in order:
             part = projected[name] * self._cost_s(target, name)
-            with_it = slowdown(overhead + part, target.busy + part)
+            with_it = slowdown(overhead + part, target.useful)
             if with_it > self.restore_below * self.budget:
                 target.calm_since.pop(name, None)
                 continue
@@ -303,7 +333,7 @@ class Governor:
             hold = self.hold_s * 2 ** target.flaps.get(name, 0)
             if now_s - since < hold or now_s - target.last_change.get(name, -1e18) < self.min_interval_s:
                 continue
-            before = slowdown(overhead, target.busy)
+            before = target.estimate
             under = f"{self.restore_below:.0%} of the budget"
             reason = f"estimate with it stayed under {under} for {now_s - since:.0f} s"
             try:
