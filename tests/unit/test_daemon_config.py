@@ -130,7 +130,7 @@ def test_bad_value_in_file_is_one_line_naming_key_value_and_allowed(tmp_path, ke
 @pytest.mark.parametrize(
     ("env", "flags", "expected"),
     [
-        ({"LLMOBS_OVERHEAD_BUDGET": "0"}, {}, "overhead.budget = '0' (from env LLMOBS_OVERHEAD_BUDGET)"),
+        ({"LLMOBS_OVERHEAD_BUDGET": "-1"}, {}, "overhead.budget = '-1' (from env LLMOBS_OVERHEAD_BUDGET)"),
         ({}, {"discovery.interval_s": "fast"}, "discovery.interval_s = 'fast' (from flag --interval)"),
         ({}, {"probes.sample_n": "2.5"}, "probes.sample_n = '2.5' (from flag --sample): not an integer"),
         ({"LLMOBS_MAX_TARGETS": "-1"}, {}, "daemon.max_targets = '-1' (from env LLMOBS_MAX_TARGETS)"),
@@ -229,7 +229,7 @@ def test_check_config_bad_value_exits_2_with_one_error_line(tmp_path):
     done = run_cli("--config", str(path), "--check-config")
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    allowed = "allowed: a fraction in (0, 1], e.g. 0.01 for 1%"
+    allowed = "allowed: a fraction in [0, 1], e.g. 0.01 for 1%; 0 turns the governor off"
     assert lines[0] == f"error: overhead.budget = 2 (from file {path}): out of range; {allowed}"
     assert lines[1].startswith("hint: ") and len(lines) == 2
     assert "Traceback" not in done.stderr

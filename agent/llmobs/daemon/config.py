@@ -337,9 +337,9 @@ SETTINGS: tuple[Setting, ...] = (
         0.01,
         "LLMOBS_OVERHEAD_BUDGET",
         "--overhead-budget",
-        _float_between(0.0, 1.0, low_open=True),
-        "a fraction in (0, 1], e.g. 0.01 for 1%",
-        "the estimated slowdown per workload above which the governor sheds probes",
+        _float_between(0.0, 1.0),
+        "a fraction in [0, 1], e.g. 0.01 for 1%; 0 turns the governor off",
+        "the estimated slowdown per workload above which the governor sheds probes (0: never shed)",
     ),
     Setting(
         "daemon.run_dir",

@@ -137,14 +137,14 @@ class Service:
         """The overhead governor (it logs its own decisions through self.log) and the self-telemetry of
         llmobs.governor; a build without them runs without, and says so once."""
         try:
-            from llmobs.governor import Governor, SelfTelemetry
+            from llmobs.governor import SelfTelemetry
         except ImportError as exc:
             self.hook_errors["governor"] = f"llmobs.governor is not available in this build ({exc})"
             self.log(f"governor: {self.hook_errors['governor']}; running without it")
             return None, None
         governor = telemetry = None
         try:
-            governor = Governor(budget, log=self.log)
+            governor = self._new_governor(budget)
         except Exception as exc:
             self.hook_errors["governor"] = f"could not start: {exc}"
             self.log(f"governor: could not start ({exc}); running without it")
@@ -156,6 +156,32 @@ class Service:
             self.hook_errors["telemetry"] = f"could not start: {exc}"
             self.log(f"telemetry: could not start ({exc}); running without it")
         return governor, telemetry
+
+    def _new_governor(self, budget: float):
+        """A Governor for `budget`, or None when the budget is 0: the governor is off, probes never shed."""
+        from llmobs.governor import Governor
+
+        if budget == 0:
+            self.log("governor: off (overhead.budget = 0): no probe is ever shed")
+            return None
+        return Governor(budget, log=self.log)
+
+    def _set_budget(self, budget: float) -> None:
+        """A reloaded overhead.budget: a new budget, or the governor turned off (its shed probes
+        re-attached) or on (tracking every current target)."""
+        if self.governor is not None and budget > 0:
+            self._hook("governor", self.governor.set_budget, budget)
+            return
+        if self.governor is not None:
+            self._hook("governor", self.governor.release_all)
+            self.governor = None
+            self.log("governor: off (overhead.budget = 0): every shed probe re-attached")
+        elif budget > 0 and "llmobs.governor is not available" not in self.hook_errors.get("governor", ""):
+            self.governor = self._hook("governor", self._new_governor, budget)
+            for target in self.fleet.targets.values() if self.governor is not None else ():
+                self._hook("governor", self.governor.track, target.session)
+        if self.telemetry is not None:
+            self.telemetry.governor = self.governor
 
     def _govern(self, now: float) -> None:
         """One governor tick (it logs each shed/restore decision) and one self-telemetry sample, handed to
@@ -434,8 +460,8 @@ class Service:
         if any(k in SELECT_KEYS for k in live):
             self.watcher.set_selectors(Selectors.of(new), new.recheck_s)
             self._logged_refusals.clear()
-        if "overhead.budget" in live and self.governor is not None:
-            self._hook("governor", self.governor.set_budget, new.overhead_budget)
+        if "overhead.budget" in live:
+            self._set_budget(new.overhead_budget)
         self.notifier.ready(self._status_text())
 
     # ---- retention and stop -----------------------------------------------------------------------

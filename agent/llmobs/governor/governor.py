@@ -188,6 +188,22 @@ class Governor:
     def untrack(self, session) -> None:
         self.targets.pop(session.pid, None)
 
+    def release_all(self) -> list[str]:
+        """The governor is being turned off: re-attaches every probe it shed and forgets every target.
+        Returns what could not be re-attached ("pid N probe: why"), each also logged."""
+        failed = []
+        for target in list(self.targets.values()):
+            for name in list(target.shed):
+                try:
+                    ok, why = target.session.restore_probe(name), "re-attach refused"
+                except Exception as exc:
+                    ok, why = False, str(exc)
+                if not ok:
+                    failed.append(f"pid {target.pid} {name}: {why}")
+                    self.log(f"governor: pid {target.pid} {name} stays detached: {why}")
+        self.targets.clear()
+        return failed
+
     def set_budget(self, budget: float) -> None:
         if budget <= 0:
             raise ValueError("the governor's budget must be > 0")
