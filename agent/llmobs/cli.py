@@ -12,6 +12,7 @@ import sys
 import traceback
 
 from llmobs.errors import ExitCode, LlmobsError
+from llmobs.logtext import one_line
 
 # name -> (module, one-line help). Order is the order `--help` shows.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except LlmobsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)  # it may quote a process's comm
         if exc.hint:
             print(f"hint: {exc.hint}", file=sys.stderr)
         return exc.exit_code

@@ -31,6 +31,7 @@ from llmobs.daemon.discovery import Proc, ProcWatcher, Selectors
 from llmobs.daemon.fleet import Detached, Fleet, Target
 from llmobs.daemon.notify import Notifier
 from llmobs.errors import AccessDenied, LlmobsError, MissingLibrary
+from llmobs.logtext import one_line
 from llmobs.pipeline.live import remove_snapshot, write_snapshot
 from llmobs.procfs import ProcFS
 
@@ -60,7 +61,8 @@ class Service:
     ):
         self.config = config
         self.loader = loader
-        self.log = log
+        # every line escaped at the sink too: a skip reason or an error may quote a target's comm
+        self.log = lambda line: log(one_line(line))
         self.notifier = notifier or Notifier()
         self.procfs = procfs or ProcFS()
         self.started_ns = clock.monotonic_ns()
@@ -514,6 +516,8 @@ def _setting(key: str):
 
 
 def _short(command: str, limit: int = 80) -> str:
+    """A target's command line for a log line: control characters escaped (one event, one line), cut."""
+    command = one_line(command)
     return command if len(command) <= limit else command[: limit - 3] + "..."
 
 
