@@ -17,10 +17,9 @@ The agent (--agent) is `llmobs-agent attach --pid TARGET --profile mem --db PATH
 default: the real ring-buffer drain, decode, correlation and DuckDB ingest, every event stored (no
 sampling), with the overhead governor off. The governor must be off: this target does nothing but call
 the probed functions, so any budget is exceeded at once and the probes under test would be shed (the
-soak measures the agent at this rate, not the governor). `--agent run` runs the daemon instead
-(`run --profile mem --command <target path> --overhead-budget 1`), but `run` has no governor-off
-setting (overhead.budget must be in (0, 1]) and its governor sheds both probes within seconds, so it
-soaks an idle daemon. The store goes to a temporary directory, removed at the end unless --keep-db.
+soak measures the agent at this rate, not the governor). `--agent run` soaks the daemon instead
+(`run --profile mem --command <target path> --overhead-budget 0`, the governor off likewise). The store
+goes to a temporary directory, removed at the end unless --keep-db.
 
 Columns: elapsed_s, agent_rss_mb, agent_cpu_pct (of one core, over the interval), events_per_s (ring
 events the agent decoded over the interval: run's status file RUN_DIR/daemon.json, rewritten each
@@ -173,7 +172,7 @@ def agent_command(args, target_pid: int, db: Path, binary: Path, run_dir: Path) 
         return [
             str(PYTHON), "-m", "llmobs.cli", "run", "--db", str(db), "--profile", "mem",
             "--command", re.escape(str(binary)), "--interval", "0.5", "--run-dir", str(run_dir),
-            "--overhead-budget", "1",
+            "--overhead-budget", "0",
         ]  # fmt: skip
     return [
         str(PYTHON), "-m", "llmobs.cli", "attach", "--pid", str(target_pid), "--profile", "mem",
