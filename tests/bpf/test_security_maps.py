@@ -76,12 +76,12 @@ def test_inspect_refuses_a_tampered_map_with_one_line(workload, how):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
-@pytest.mark.parametrize("how", ["mode", "owner"])
-def test_attach_stores_nothing_from_a_tampered_map(tmp_path, how):
-    db = tmp_path / "store.duckdb"
+def _attach_while_generating(db: Path, how: str | None) -> tuple[str, str]:
+    """attach --db to a workload whose map was tampered `how` (None: untouched) while it generates;
+    returns (the refusal text expected, the agent's output)."""
     with HeldWorkload(*ARGS) as workload:
         path = _map_of(workload.pid)
-        expected = _tamper(path, how)
+        expected = _tamper(path, how) if how else ""
         agent = Agent("--pid", str(workload.pid), "--profile", "cpu", "--db", str(db))
         agent.wait_for("attached in")
         workload.generate()
@@ -89,9 +89,36 @@ def test_attach_stores_nothing_from_a_tampered_map(tmp_path, how):
         code, text = agent.finish()
     assert code == 0, text
     assert "Traceback" not in text
+    return expected, text
+
+
+def _tagged_probe_hits(db: Path) -> tuple[int, int]:
+    """(probe hits counted, of them tagged with a token step from the map's context cell)."""
+    with duckdb.connect(str(db), read_only=True) as con:
+        return con.execute(
+            "SELECT sum(count), coalesce(sum(count) FILTER (WHERE step_seq <> 0), 0) FROM probe_aggregates"
+        ).fetchone()
+
+
+@pytest.mark.parametrize("how", ["mode", "owner"])
+def test_attach_stores_nothing_from_a_tampered_map(tmp_path, how):
+    db = tmp_path / "store.duckdb"
+    expected, text = _attach_while_generating(db, how)
     map_line = next(line for line in text.splitlines() if "token steps from the map" in line)
     assert "0 read" in map_line and expected in map_line, map_line
+    # its context cell is not trusted either: no event is tagged from it, and attach says why, once
+    notes = [line for line in text.splitlines() if "the llmobs map does not tag events" in line]
+    assert len(notes) == 1 and expected in notes[0], text
     with duckdb.connect(str(db), read_only=True) as con:
         assert con.execute("SELECT count(*) FROM token_steps").fetchone()[0] == 0
-        # the probes themselves still worked: the refusal is about the map only
-        assert con.execute("SELECT sum(count) FROM probe_aggregates").fetchone()[0] > 0
+    hits, tagged = _tagged_probe_hits(db)
+    assert hits > 0 and tagged == 0, (hits, tagged)  # the probes worked; nothing carries the map's tags
+
+
+def test_attach_tags_events_from_the_untouched_map(tmp_path):
+    """The control case: the same run on an untouched map tags the probe hits with its token steps."""
+    db = tmp_path / "store.duckdb"
+    _, text = _attach_while_generating(db, None)
+    assert "the llmobs map does not tag events" not in text
+    hits, tagged = _tagged_probe_hits(db)
+    assert tagged > 0, (hits, tagged)

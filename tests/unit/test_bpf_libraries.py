@@ -53,16 +53,28 @@ def test_missing_library_and_symbol_are_skips(tmp_path):
     assert isinstance(skipped, Skipped) and "symbol cuLaunchKernel not found" in skipped.reason
 
 
-def test_context_cell_address():
+def test_context_cell_address(tmp_path):
+    # a /proc of processes 42 and 43 whose map file (seen through /proc/PID/root) passes the owner/mode
+    # checks: this test is about choosing the mapping (tests/bpf/test_security_maps.py: the checks)
+    for pid in (42, 43):
+        shm = tmp_path / str(pid) / "root" / "dev" / "shm"
+        shm.mkdir(parents=True)
+        for name in ("llmobs.42", "llmobs.5", "llmobs.6"):
+            (shm / name).touch(mode=0o600)
     entries = parse_maps(
         "7f0000000000-7f0000010000 rw-s 00000000 00:1a 99 /dev/shm/llmobs.42\n"
         "7f0000020000-7f0000030000 rw-s 00001000 00:1a 98 /dev/shm/llmobs.42\n"
     )
-    assert find_context_cell(42, entries, 256) == 0x7F0000000000 + 256
-    assert find_context_cell(43, entries, 256) == 0x7F0000000000 + 256  # own pid namespace: the only map
-    assert find_context_cell(42, [], 256) == 0
+    root = str(tmp_path)
+    assert find_context_cell(42, entries, 256, root) == 0x7F0000000000 + 256
+    assert (
+        find_context_cell(43, entries, 256, root) == 0x7F0000000000 + 256
+    )  # own pid namespace: the only map
+    assert find_context_cell(42, [], 256, root) == 0
     two = parse_maps(
         "7f0000000000-7f0000010000 rw-s 00000000 00:1a 99 /dev/shm/llmobs.5\n"
         "7f0000020000-7f0000030000 rw-s 00000000 00:1a 98 /dev/shm/llmobs.6\n"
     )
-    assert find_context_cell(42, two, 256) == 0  # ambiguous: untracked rather than wrong
+    assert find_context_cell(42, two, 256, root) == 0  # ambiguous: untracked rather than wrong
+    (tmp_path / "42" / "root" / "dev" / "shm" / "llmobs.42").chmod(0o644)
+    assert find_context_cell(42, entries, 256, root) == 0  # anyone could have written its cell

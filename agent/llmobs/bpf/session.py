@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from llmobs.bpf.records import COUNTERS, RING_RECORD_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
 from llmobs.errors import AccessDenied, NothingAttached, NotTracked
 from llmobs.procfs import MapEntry, ProcFS
+from llmobs.shm.layout import FILE_MODE
 
 TRACEFS = "/sys/kernel/tracing"
 _CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
@@ -57,19 +59,66 @@ def require_privileges(procfs: ProcFS) -> None:
     raise AccessDenied("attaching eBPF probes needs root (or CAP_BPF and CAP_PERFMON)")
 
 
-def find_context_cell(pid: int, entries: list[MapEntry], offset: int) -> int:
-    """Address of the current-context cell in the target (0 when the process publishes no map).
-
-    The writer maps /dev/shm/llmobs.<pid> whole from offset 0; inside a pid namespace <pid> is the
-    process's own pid, so a single llmobs map under another number is accepted too.
-    """
+def _llmobs_map_entry(pid: int, entries: list[MapEntry]) -> MapEntry | None:
+    """The mapping of the process's llmobs map (None when it publishes none)."""
     own = [e for e in entries if e.path == f"/dev/shm/llmobs.{pid}" and e.offset == 0]
     if not own:
         own = [e for e in entries if re.fullmatch(r"/dev/shm/llmobs\.\d+", e.path) and e.offset == 0]
         if len(own) != 1:
-            return 0
-    entry = own[0]
-    return entry.start + offset if entry.end - entry.start > offset else 0
+            return None
+    return own[0]
+
+
+def map_file_refusal(pid: int, entry: MapEntry, proc_root: str = "/proc") -> str | None:
+    """Why the mapped llmobs file must not be trusted for tagging events (None: it may be).
+
+    The map reader's checks (llmobs.shm.reader.ShmReader): a regular file, mode 0600, owned by the
+    process's uid - else another user could have written it, and the trace ids the handlers copy from its
+    context cell would be theirs. The file is stat'ed through /proc/PID/map_files (the very inode mapped,
+    whatever the process's mount namespace), else through /proc/PID/root.
+    """
+    try:
+        owner = os.stat(f"{proc_root}/{pid}").st_uid
+    except OSError:
+        return f"process {pid} exited"
+    for where in (
+        f"{proc_root}/{pid}/map_files/{entry.start:x}-{entry.end:x}",
+        f"{proc_root}/{pid}/root{entry.path}",
+    ):
+        try:
+            st = os.stat(where)
+            break
+        except OSError:
+            continue
+    else:
+        return f"cannot check {entry.path} (no access to /proc/{pid}/map_files or /proc/{pid}/root)"
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISREG(st.st_mode):
+        return f"{entry.path} is not a regular file"
+    if mode != FILE_MODE:
+        return f"{entry.path} has mode {mode:04o}, a map must be 0600"
+    if st.st_uid != owner:
+        return f"{entry.path} is owned by uid {st.st_uid} but process {pid} runs as uid {owner}"
+    return None
+
+
+def context_cell_refusal(pid: int, entries: list[MapEntry], proc_root: str = "/proc") -> str | None:
+    """Why the process's llmobs map was not used to tag events (None: it was, or there is none)."""
+    entry = _llmobs_map_entry(pid, entries)
+    return None if entry is None else map_file_refusal(pid, entry, proc_root)
+
+
+def find_context_cell(pid: int, entries: list[MapEntry], offset: int, proc_root: str = "/proc") -> int:
+    """Address of the current-context cell in the target (0 when the process publishes no map, or one that
+    fails the map reader's owner/mode checks: its events are then untracked, see context_cell_refusal).
+
+    The writer maps /dev/shm/llmobs.<pid> whole from offset 0; inside a pid namespace <pid> is the
+    process's own pid, so a single llmobs map under another number is accepted too.
+    """
+    entry = _llmobs_map_entry(pid, entries)
+    if entry is None or entry.end - entry.start <= offset or map_file_refusal(pid, entry, proc_root):
+        return 0
+    return entry.start + offset
 
 
 def tracepoint_available(tracepoint: str) -> str | None:

@@ -114,6 +114,18 @@ def run(args: argparse.Namespace) -> int:
     return _attach(args, profiles)
 
 
+def _map_refusal(session) -> str | None:
+    """Why the target's llmobs map was not used to tag events (None: it was, or there is none)."""
+    from llmobs.bpf.session import context_cell_refusal
+
+    if session.cell_address:
+        return None
+    try:
+        return context_cell_refusal(session.pid, session.procfs.maps(session.pid))
+    except OSError:
+        return None  # the target is gone: the loop notices
+
+
 def _print_ebpf(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
     from llmobs.bpf.profiles import probes_of
     from llmobs.bpf.program import assemble
@@ -158,6 +170,9 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
     otlp = _otlp_config(args)  # validated before attaching: a bad endpoint fails fast, with no probe left
     try:
         session.start()
+        refused = _map_refusal(session)
+        if refused:  # said once: the map's token steps are refused later with the same reason
+            session.notes.append(f"the llmobs map does not tag events (they stay untracked): {refused}")
         report.attached(session)
         governor, telemetry = _start_governor(args, session)
         _remove_stale_maps()  # once attached: a refused attach prints its one error line and nothing else

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from llmobs import clock
 from llmobs.bpf.records import RING_RECORD_DTYPE
-from llmobs.bpf.session import Options, require_privileges
+from llmobs.bpf.session import Options, context_cell_refusal, require_privileges
 from llmobs.daemon.config import SETTINGS, DaemonConfig
 from llmobs.daemon.discovery import Proc, ProcWatcher, Selectors
 from llmobs.daemon.fleet import Detached, Fleet, Target
@@ -327,6 +327,9 @@ class Service:
         probes = ",".join(p.name for p in session.attached_probes)
         skipped = "".join(f"; skipped {s.probe.name}: {s.reason}" for s in session.skipped)
         tag = "map" if session.cell_address else "no map yet: events untagged until it appears"
+        refused = None if session.cell_address else self._hook("map check", _map_refusal, session)
+        if refused:  # a map that fails the reader's owner/mode checks: never used to tag events
+            tag = f"map refused, events untagged: {refused}"
         self._write_status()  # before the line: whoever reads the line finds the status current
         self.log(
             f"attach pid {proc.pid} ({_short(proc.command)}) [{proc.why}, {tag}]: {probes}"
@@ -513,6 +516,11 @@ def _release_heap() -> None:
 
 def _setting(key: str):
     return next(s for s in SETTINGS if s.key == key)
+
+
+def _map_refusal(session) -> str | None:
+    """Why the target's llmobs map was not used to tag its events (None: it was, or there is none)."""
+    return context_cell_refusal(session.pid, session.procfs.maps(session.pid))
 
 
 def _short(command: str, limit: int = 80) -> str:
