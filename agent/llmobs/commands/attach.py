@@ -17,9 +17,11 @@ from llmobs.diagnostics.detectors import add_detector_arguments, detector_config
 from llmobs.errors import MissingLibrary
 
 # The ring is submitted without wake-ups; the agent drains it every 20 ms while events flow fast, and
-# every 100 ms while a drain brings less than 1% of the ring (the ring then holds > 10 s of events):
-# fewer wake-ups of the agent, which on a busy host take a core from the workload.
-DRAIN_PERIOD_S = (0.02, 0.1)
+# every 50 ms while a drain brings less than 1% of the ring: fewer wake-ups of the agent, which on a busy
+# host take a core from the workload. Not longer: a loss spike's anomaly row must be stored < 200 ms after
+# the spike even at p99 (docs/diagnostics.md), and a sparse ring is exactly when the spike's step may wait
+# a whole period (measured: scripts/bench_drain_idle.py, docs/daemon.md).
+DRAIN_PERIOD_S = (0.02, 0.05)
 GOVERNOR_TICK_S = 1.0  # the overhead governor and the agent's self-telemetry run once a second
 
 
