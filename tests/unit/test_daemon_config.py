@@ -96,6 +96,7 @@ BAD_VALUES = {
     "discovery.interval_s": 0,
     "discovery.recheck_s": "often",
     "overhead.budget": 1.5,
+    "overhead.cost_scale": 0,
     "daemon.run_dir": "",
     "daemon.max_targets": 5000,
 }

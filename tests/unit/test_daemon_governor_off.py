@@ -50,3 +50,13 @@ def test_budget_zero_means_no_governor_and_a_reload_switches_it(no_file):
     assert service.governor is None and service.telemetry.governor is None
     assert session.shed == {} and [c for c in session.calls if c[0] == "restore"]
     assert lines[-1] == "governor: off (overhead.budget = 0): every shed probe re-attached"
+
+
+def test_cost_scale_defaults_to_the_measured_factor_and_reaches_the_governor(no_file):
+    from llmobs.governor.governor import DEFAULT_COST_SCALE
+
+    assert cfg.load(None, env={}).cost_scale == DEFAULT_COST_SCALE == 2.3
+    config = cfg.load(None, env={"LLMOBS_OVERHEAD_COST_SCALE": "1.5"})
+    service = Service(config, log=[].append)
+    assert service._new_governor(0.01).cost_scale == 1.5
+    assert cfg.load(None, env={}, flags={"overhead.cost_scale": "3"}).cost_scale == 3.0

@@ -305,3 +305,25 @@ def test_attach_refuses_a_budget_outside_0_to_100() -> None:
         )  # fmt: skip
         assert out.returncode == 2, out.stderr
         assert out.stderr.strip() == "error: --budget must be a percentage between 0 (governor off) and 100"
+
+
+def test_attach_refuses_a_cost_scale_outside_0_to_100() -> None:
+    import sys
+
+    for value in ("0", "-2", "101"):
+        out = subprocess.run(
+            [sys.executable, "-m", "llmobs.cli", "attach", "--pid", "1", "--cost-scale", value],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.strip() == "error: --cost-scale must be a number in (0, 100]"
+
+
+def test_the_default_cost_scale_is_the_measured_in_situ_factor() -> None:
+    """docs/governor.md: in-situ CPU per hit was 2.7x (tiny) and 1.9x (SmolLM2) the calibrated cost."""
+    from llmobs.governor.governor import DEFAULT_COST_SCALE
+
+    assert 1.9 <= DEFAULT_COST_SCALE <= 2.7
+    session = SyntheticSession({"linear": 4_000.0}, {"linear": 700.0})
+    governor = Governor(0.01, log=[].append, cpu_seconds=lambda pid: session.cpu)
+    assert governor.cost_scale == DEFAULT_COST_SCALE

@@ -29,6 +29,7 @@ FLAG_KEYS = {
     "select_command": "select.command",  # not `command`: the CLI's subcommand dest
     "interval": "discovery.interval_s",
     "overhead_budget": "overhead.budget",
+    "cost_scale": "overhead.cost_scale",
     "run_dir": "daemon.run_dir",
     "otlp": "otlp.endpoint",
     "otlp_protocol": "otlp.protocol",
@@ -64,6 +65,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", metavar="S", help="scan /proc every S seconds (discovery.interval_s)")
     parser.add_argument(
         "--overhead-budget", metavar="F", help="max estimated slowdown, e.g. 0.01 (overhead.budget)"
+    )
+    parser.add_argument(
+        "--cost-scale", metavar="X", help="multiply the calibrated probe costs by X (overhead.cost_scale)"
     )
     parser.add_argument("--run-dir", metavar="DIR", help="live snapshots and status file (daemon.run_dir)")
     parser.add_argument("--otlp", metavar="ENDPOINT", help="export over OTLP to ENDPOINT (otlp.endpoint)")

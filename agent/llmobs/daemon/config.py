@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmobs.errors import ConfigError, LlmobsError
+from llmobs.governor.governor import DEFAULT_COST_SCALE
 
 DEFAULT_CONFIG_PATH = Path("/etc/llmobs/llmobs-agent.toml")
 CONFIG_ENV = "LLMOBS_CONFIG"  # the config file when --config is not given
@@ -342,6 +343,16 @@ SETTINGS: tuple[Setting, ...] = (
         "the estimated slowdown per workload above which the governor sheds probes (0: never shed)",
     ),
     Setting(
+        "overhead.cost_scale",
+        "cost_scale",
+        DEFAULT_COST_SCALE,
+        "LLMOBS_OVERHEAD_COST_SCALE",
+        "--cost-scale",
+        _float_between(0.0, 100.0, low_open=True),
+        "a number in (0, 100]",
+        "the calibrated per-hit probe costs are multiplied by this (hits cost more in a workload)",
+    ),
+    Setting(
         "daemon.run_dir",
         "run_dir",
         "/run/llmobs",
@@ -382,6 +393,7 @@ class DaemonConfig:
     discovery_interval_s: float
     recheck_s: float
     overhead_budget: float
+    cost_scale: float
     run_dir: Path
     max_targets: int
     otlp: object | None = None  # llmobs.otlp.OtlpConfig when an endpoint is configured anywhere

@@ -166,7 +166,7 @@ class Service:
         if budget == 0:
             self.log("governor: off (overhead.budget = 0): no probe is ever shed")
             return None
-        return Governor(budget, log=self.log)
+        return Governor(budget, log=self.log, cost_scale=self.config.cost_scale)
 
     def _set_budget(self, budget: float) -> None:
         """A reloaded overhead.budget: a new budget, or the governor turned off (its shed probes
@@ -467,6 +467,8 @@ class Service:
             self._logged_refusals.clear()
         if "overhead.budget" in live:
             self._set_budget(new.overhead_budget)
+        if "overhead.cost_scale" in live and self.governor is not None:
+            self.governor.cost_scale = new.cost_scale
         self.notifier.ready(self._status_text())
 
     # ---- retention and stop -----------------------------------------------------------------------
