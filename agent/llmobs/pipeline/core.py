@@ -33,7 +33,7 @@ from llmobs.pipeline.live import LiveStats, remove_snapshot, snapshot_path, writ
 from llmobs.pipeline.sources import BpfSource, ShmSource
 from llmobs.procfs import ProcFS
 from llmobs.store.ingest import EventDecoder
-from llmobs.store.sink import DuckDBStore
+from llmobs.store.sink import AGENT_MEMORY_LIMIT, DuckDBStore
 from llmobs.store.writer import StoreWriter
 
 CORRELATE_EVERY_S = 2.0
@@ -145,6 +145,8 @@ class Pipeline:
         self.last_error: str | None = None
         self._since_lock = threading.Lock()
         self._pending_since: int | None = None  # oldest step start submitted since the last correlate
+        self._unrolled_since: int | None = None  # start of the oldest window a failed correlate left
+        self._last_rolled_ns: int | None = None  # when the last successful incremental correlate began
         self._next_slow = 0.0
         self._closed = False
         self._snapshot = snapshot_path(pid) if snapshot is True else (snapshot or None)
@@ -168,8 +170,8 @@ class Pipeline:
 
     @classmethod
     def open(cls, db: str | Path, pid: int, **options) -> Pipeline:
-        """A pipeline owning a DuckDBStore it opens at `db` (closed by `close`)."""
-        return cls(DuckDBStore(db), pid, owns_store=True, **options)
+        """A pipeline owning a DuckDBStore it opens at `db` (closed by `close`), its DuckDB memory capped."""
+        return cls(DuckDBStore(db, memory_limit=AGENT_MEMORY_LIMIT), pid, owns_store=True, **options)
 
     # ---- running ----------------------------------------------------------------------------------
     def _process_row(self) -> dict:
@@ -282,6 +284,9 @@ class Pipeline:
         try:
             while not self._stop.wait(every_s):
                 since = self._take_since(previous)
+                with self._since_lock:  # a failed run's window is retried from its start
+                    if self._unrolled_since is not None:
+                        since = min(since, self._unrolled_since)
                 previous = clock.monotonic_ns()
                 # No writer.flush() here: with a source submitting every 20 ms the writer is never
                 # idle, so a flush would wait forever. Committed data is at most 1 s old, and the next
@@ -289,13 +294,28 @@ class Pipeline:
                 try:
                     correlate(conn, since_ns=since, pid=self.pid)
                     self.correlate_runs += 1
+                    with self._since_lock:
+                        self._unrolled_since, self._last_rolled_ns = None, previous
                     if self.anomalies is not None:  # anomalies of steps rolled up now get their evidence
                         self.anomalies.refresh_evidence(conn, self.pid, since)
-                except Exception as exc:  # counted; the final run at close covers the whole session
+                except Exception as exc:  # counted; retried by the next run and by the final one at close
                     self.correlate_errors += 1
                     self.last_error = f"correlate: {str(exc).splitlines()[0]}"
+                    with self._since_lock:
+                        if self._unrolled_since is None or since < self._unrolled_since:
+                            self._unrolled_since = since
         finally:
             conn.close()
+
+    def _final_since(self, session_since: int) -> int:
+        """Where the last correlate at close starts: only what the incremental runs may not have rolled
+        up whole (steps submitted since the last run, a failed run's window, the last LATE_NS before
+        the last good run), never the whole session again: that re-scan took 114 s over 90 M events."""
+        with self._since_lock:
+            if self._last_rolled_ns is None:  # no incremental run succeeded: the whole session
+                return session_since
+            candidates = [self._last_rolled_ns - LATE_NS, self._pending_since, self._unrolled_since]
+        return max(min(c for c in candidates if c is not None), session_since)
 
     # ---- stop -------------------------------------------------------------------------------------
     def close(
@@ -333,10 +353,13 @@ class Pipeline:
         began = time.perf_counter()
         conn = None
         try:
-            since = max((self.first_step_ns or self.started_ns) - LATE_NS, 0)
+            session_since = max((self.first_step_ns or self.started_ns) - LATE_NS, 0)
             # its own cursor: in a daemon other pipelines' writers share the store's connection
             conn = self.store.connection.cursor()
-            summary.final_correlate = correlate(conn, since_ns=since, pid=self.pid)
+            # re-roll only the tail the incremental runs may have missed; report the whole session
+            summary.final_correlate = correlate(
+                conn, since_ns=self._final_since(session_since), pid=self.pid, report_since_ns=session_since
+            )
         except Exception as exc:
             self.correlate_errors += 1
             summary.store_error = f"correlate: {str(exc).splitlines()[0]}"
