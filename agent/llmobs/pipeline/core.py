@@ -33,7 +33,7 @@ from llmobs.pipeline.live import LiveStats, remove_snapshot, snapshot_path, writ
 from llmobs.pipeline.sources import BpfSource, ShmSource
 from llmobs.procfs import ProcFS
 from llmobs.store.ingest import EventDecoder
-from llmobs.store.sink import AGENT_MEMORY_LIMIT, DuckDBStore
+from llmobs.store.sink import DuckDBStore, agent_memory_limit
 from llmobs.store.writer import StoreWriter
 
 CORRELATE_EVERY_S = 2.0
@@ -171,7 +171,7 @@ class Pipeline:
     @classmethod
     def open(cls, db: str | Path, pid: int, **options) -> Pipeline:
         """A pipeline owning a DuckDBStore it opens at `db` (closed by `close`), its DuckDB memory capped."""
-        return cls(DuckDBStore(db, memory_limit=AGENT_MEMORY_LIMIT), pid, owns_store=True, **options)
+        return cls(DuckDBStore(db, memory_limit=agent_memory_limit()), pid, owns_store=True, **options)
 
     # ---- running ----------------------------------------------------------------------------------
     def _process_row(self) -> dict:

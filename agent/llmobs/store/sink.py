@@ -26,6 +26,17 @@ from llmobs.store.batches import TableLike, to_arrow
 
 DEFAULT_DB_PATH = Path("/var/lib/llmobs/llmobs.duckdb")
 DB_PATH_ENV = "LLMOBS_DB"  # overrides the default path; `--db` overrides both
+# DuckDB's buffer pool for an agent that writes the store: by default (80% of the host's RAM) DuckDB keeps
+# every block it wrote cached, so a store ingesting 50k events/s grew the agent's RSS by ~2 MB per
+# million rows for as long as it ran; capped, old blocks are evicted (they are on disk) and large queries
+# spill to disk instead.
+AGENT_MEMORY_LIMIT = "256MB"
+MEMORY_LIMIT_ENV = "LLMOBS_DUCKDB_MEMORY_LIMIT"  # overrides AGENT_MEMORY_LIMIT (a DuckDB size: '128MB')
+
+
+def agent_memory_limit() -> str:
+    """The DuckDB memory limit of a store the agent writes: $LLMOBS_DUCKDB_MEMORY_LIMIT, else 256MB."""
+    return os.environ.get(MEMORY_LIMIT_ENV) or AGENT_MEMORY_LIMIT
 
 
 def default_db_path() -> Path:
@@ -71,13 +82,19 @@ class DuckDBStore:
     """The llmobs DuckDB file: schema migrated at open, batched transactional appends, counted failures."""
 
     def __init__(
-        self, path: Path | str | None = None, *, read_only: bool = False, threads: int | None = None
+        self,
+        path: Path | str | None = None,
+        *,
+        read_only: bool = False,
+        threads: int | None = None,
+        memory_limit: str | None = None,
     ):
         self.path = Path(path) if path is not None else default_db_path()
         self.read_only = read_only
         self.counters = SinkCounters()
         self._lock = threading.Lock()
         self._threads = threads
+        self._memory_limit = memory_limit  # e.g. AGENT_MEMORY_LIMIT; None: DuckDB's default
         self._open()
 
     def _open(self) -> None:
@@ -86,6 +103,8 @@ class DuckDBStore:
         try:
             if threads:
                 self._conn.execute(f"SET threads = {int(threads)}")
+            if self._memory_limit:
+                self._conn.execute("SET memory_limit = $limit", {"limit": self._memory_limit})
             if read_only:
                 version = schema.current_version(self._conn)
                 if version == 0:
