@@ -57,6 +57,17 @@ def perf_fds(pid: int) -> int:
     return count
 
 
+def wait_calibration_released(agent_pid: int, timeout: float = 30.0) -> None:
+    """The calibration's own uprobes are released in a background thread after start (each waits for an
+    RCU grace period; seconds on a loaded host): until they are, they hold perf-event fds too."""
+    deadline = time.monotonic() + timeout
+    while any(
+        "llmobs-calibrate" in e.get("filename", "") for e in bpftool_json("perf") if e.get("pid") == agent_pid
+    ):
+        assert time.monotonic() < deadline, "the calibration's uprobes were not released"
+        time.sleep(0.1)  # polling a kernel listing, bounded by the deadline
+
+
 def target_of(entry: dict) -> int:
     """bcc names a per-pid uprobe's file through /proc/<target pid>/root/..."""
     match = re.match(r"/proc/(\d+)/root/", entry.get("filename", ""))
@@ -219,6 +230,7 @@ def test_two_workloads_on_one_program_detach_on_exit_and_drain_on_sigterm(tmp_pa
 
             first.generate()
             second.generate()
+            wait_calibration_released(daemon.pid)  # its fds would leave during the count below
             fds_with_both = perf_fds(daemon.pid)
             first.__exit__(None, None, None)  # the first workload exits: detached, its probes gone
             first_running = False
