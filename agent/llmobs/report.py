@@ -8,6 +8,7 @@ caller, which may not have one: ids are shown then).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -259,11 +260,58 @@ def probes_section(requests: list[Request]) -> list[str]:
     ]
 
 
+_ANOMALIES_SQL = """
+SELECT pid, step_seq, trace_id, list(detector ORDER BY detector), max(score), any_value(evidence)
+FROM anomalies WHERE coalesce(batch_row, 0) = 0 AND kind LIKE 'loss_%'
+GROUP BY pid, step_seq, trace_id ORDER BY max(score) DESC
+"""
+
+
+def surprising_section(
+    conn: duckdb.DuckDBPyConnection, requests: list[Request], limit: int = SLOWEST, db: str | None = None
+) -> list[str]:
+    """The tokens the live loss detectors flagged (the `anomalies` table), each with its request, its
+    loss against the request's, the GPU/host evidence of its forward pass, and the `explain` command."""
+    try:
+        flagged = conn.execute(_ANOMALIES_SQL).fetchall()
+    except duckdb.Error:  # a store from before the anomalies columns (migration 4): nothing to show
+        return []
+    where = {(t.pid, t.step_seq): (i, r, t) for i, r in enumerate(requests) for t in r.tokens}
+    db_flag = f" --db {db}" if db else ""
+    lines = [
+        f"Surprising tokens ({len(flagged)} flagged live by the loss detectors: t-test and median/MAD of "
+        "each token's loss against its request's earlier tokens):"
+    ]
+    if not flagged:
+        return [*lines, "  none: no token's loss stood out from its request's earlier tokens"]
+    for pid, step_seq, trace_id, detectors, score, evidence in flagged[:limit]:
+        found = where.get((pid, step_seq))
+        if found is None:
+            continue
+        index, request, token = found
+        losses = sorted(t.loss for t in request.tokens if not math.isnan(t.loss))
+        summary = ""
+        if evidence:
+            try:
+                summary = json.loads(evidence).get("summary", "")
+            except ValueError:
+                summary = ""
+        lines += [
+            f"  request {index + 1} step {token.step} {token.text!r}: loss {token.loss:.3f} vs the request's "
+            f"median {losses[len(losses) // 2]:.3f}, p(token) {token.target_prob:.3f}; flagged by "
+            f"{', '.join(detectors)} (score {score:.1f})",
+            f"      - GPU/host: {summary or 'evidence not computed yet'}",
+            f"      - llmobs-agent explain{db_flag} --trace {trace_id[:16]} --step {token.step}",
+        ]
+    return lines
+
+
 def build_report(
     conn: duckdb.DuckDBPyConnection,
     decode: Callable[[int], str] | None = None,
     header: list[str] | None = None,
     requests: list[Request] | None = None,
+    db: str | None = None,
 ) -> str:
     requests = load_requests(conn, decode) if requests is None else requests
     lines = list(header or [])
@@ -285,6 +333,8 @@ def build_report(
         " main thread's time descheduled or waiting during the step, from its sched_switch events)",
         "",
         *slowest_section(requests),
+        "",
+        *surprising_section(conn, requests, db=db),
         "",
         *probes_section(requests),
     ]

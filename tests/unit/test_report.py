@@ -98,3 +98,25 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     height, width = mpimg.imread(path).shape[:2]
     assert (width, height) == (11 * 110, int(6.5 * 110))
+
+
+def test_report_lists_the_tokens_the_loss_detectors_flagged(tmp_path):
+    """Anomaly rows (as the live detectors write them) become the 'Surprising tokens' section: the
+    flagged token, its loss against its request's median, its detectors, the evidence summary, and the
+    explain command that shows the rest; a store without any says so."""
+    with _store(tmp_path) as store:
+        clean = report.build_report(store.connection, decode=chr, db="/x/r.duckdb")
+        trace = "bb" * 16
+        for detector, score in (("ttest", 9.5), ("mad", 7.25)):
+            store.connection.execute(
+                "INSERT INTO anomalies (ts_ns, pid, step_seq, trace_id, kind, score, detail, first_step_seq,"
+                " step, batch_row, detector, evidence) VALUES (1, ?, 12, ?, ?, ?, '{}', 7, 5, 0, ?, ?)",
+                [PID, trace, f"loss_{detector}", score, detector, '{"summary": "UNUSUAL page faults"}'],
+            )
+        text = report.build_report(store.connection, decode=chr, db="/x/r.duckdb")
+    assert "Surprising tokens (0 flagged" in clean and "none: no token's loss stood out" in clean
+    section = text.split("Surprising tokens")[1].split("Probes per step")[0]
+    assert section.startswith(" (1 flagged live")  # two detectors, one token
+    assert "request 2 step 5 'F': loss 3.000 vs the request's median 2.000" in section
+    assert "flagged by mad, ttest (score 9.5)" in section and "GPU/host: UNUSUAL page faults" in section
+    assert f"llmobs-agent explain --db /x/r.duckdb --trace {trace[:16]} --step 5" in section

@@ -334,7 +334,7 @@ def _outputs(store, out: Path, decode, args, run_info: dict, progress):
             f"  correlated: {c.passes} forward passes, {c.tagged_events:,} events joined by their in-kernel "
             f"step tag, {c.windowed_events:,} by time window, {c.orphan_events:,} without a step"
         )
-    text = report.build_report(conn, decode, header=header, requests=requests)
+    text = report.build_report(conn, decode, header=header, requests=requests, db=str(out / "llmobs.duckdb"))
     files = [out / "report.txt", out / "trace.json", out / "tokens.png", out / "llmobs.duckdb"]
     files[0].write_text(text)
     stats = write_perfetto(conn, files[1])
