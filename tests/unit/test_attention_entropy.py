@@ -15,29 +15,20 @@ from llmobs.pipeline import Pipeline
 from llmobs.pipeline.sources import ShmSource
 from llmobs.publisher_attention import AttentionEntropy, as_policy
 from llmobs.shm import layout
-from llmobs.shm import writer as writer_module
 from llmobs.shm.reader import ShmReader
 from llmobs.store.sink import DuckDBStore
+from publisher_fixtures import isolated_writer, tiny_gpt2
 
 PROMPT_LEN, NEW_TOKENS = 5, 6
 
 
 @pytest.fixture
 def shm(tmp_path):
-    writer_module.reset_writer()
-    writer_module.configure(shm_dir=str(tmp_path))
-    yield tmp_path
-    writer_module.reset_writer()
-    writer_module._writer_options.clear()
+    yield from isolated_writer(tmp_path)
 
 
 def _tiny():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, bos_token_id=0, eos_token_id=0,
-                        initializer_range=0.5)  # fmt: skip
-    return GPT2LMHeadModel(config).eval()
+    return tiny_gpt2(initializer_range=0.5)
 
 
 def _generate(model, batch=2):

