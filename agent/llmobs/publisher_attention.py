@@ -33,15 +33,19 @@ class AttentionEntropy:
             raise ValueError(f"AttentionEntropy(every={self.every}): every must be >= 1")
 
 
-def as_policy(value) -> AttentionEntropy | None:
-    """None/False/0 = off; an int N = AttentionEntropy(every=N); a policy as is."""
+def coerce_policy(value, policy: type, argument: str):
+    """A sampling-policy argument: None/False/0 = off (None); an int N = policy(every=N); a policy as is."""
     if value is None or value is False or (isinstance(value, int) and value == 0):
         return None
-    if isinstance(value, AttentionEntropy):
+    if isinstance(value, policy):
         return value
     if isinstance(value, int):
-        return AttentionEntropy(every=value)
-    raise TypeError(f"attention_entropy must be None, an int or llmobs.AttentionEntropy, not {value!r}")
+        return policy(every=value)
+    raise TypeError(f"{argument} must be None, an int or llmobs.{policy.__name__}, not {value!r}")
+
+
+def as_policy(value) -> AttentionEntropy | None:
+    return coerce_policy(value, AttentionEntropy, "attention_entropy")
 
 
 def attention_modules(model) -> list:

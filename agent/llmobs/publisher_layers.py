@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from llmobs.publisher_attention import coerce_policy
 from llmobs.shm import layout
 
 MODULE_NAME_PREFIX = "module:"  # names-ring text of a layer-stream module: module:<kind>:<layer>:<name>
@@ -56,14 +57,7 @@ class LayerStreams:
 
 
 def as_mlp_policy(value) -> MlpVariance | None:
-    """None/False/0 = off; an int N = MlpVariance(every=N); a policy as is."""
-    if value is None or value is False or (isinstance(value, int) and value == 0):
-        return None
-    if isinstance(value, MlpVariance):
-        return value
-    if isinstance(value, int):
-        return MlpVariance(every=value)
-    raise TypeError(f"mlp_variance must be None, an int or llmobs.MlpVariance, not {value!r}")
+    return coerce_policy(value, MlpVariance, "mlp_variance")
 
 
 def _layer_of(name: str) -> int | None:
