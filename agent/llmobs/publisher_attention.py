@@ -61,21 +61,66 @@ def newest_query_entropy(weights):
     return torch.special.entr(weights[:, :, -1, :].detach().float()).sum(-1)
 
 
-class AttentionSampler:
+class ForwardHookSampler:
+    """The skeleton of a layer-stream sampler: forward hooks on `modules`, installed only for a sampled
+    pass (begin) and removed when it ends (end) or when a pass that raised never reached its end."""
+
+    def __init__(self, modules: list):
+        self.modules = modules
+        self._handles: list = []
+        self._captured: list = []
+        self._step = None  # (step_seq, trace_hi, trace_lo) of the sampled pass in flight
+
+    def _install(self, step_seq: int, trace_hi, trace_lo) -> None:
+        self._captured = [None] * len(self.modules)
+        for i, module in enumerate(self.modules):
+            self._handles.append(module.register_forward_hook(self._hook(i)))
+        self._step = (step_seq, trace_hi, trace_lo)
+
+    def _hook(self, index: int):
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Remove the hooks (the pass in flight publishes nothing)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._step = None
+
+    def _take(self):
+        """Ends the pass: ((step_seq, trace_hi, trace_lo), the captures stacked [L, ...]), or None when it
+        was not sampled or a layer captured nothing."""
+        step = self._step
+        self.abort()
+        captured, self._captured = self._captured, []
+        if step is None or not captured or any(c is None for c in captured):
+            return None
+        import torch
+
+        return step, torch.stack(captured)
+
+
+def row_traces(trace_hi, trace_lo, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """The trace id words of each batch row (rows that are not the request's rows: all row 0's)."""
+    hi = np.asarray(trace_hi, dtype=np.uint64)
+    lo = np.asarray(trace_lo, dtype=np.uint64)
+    if hi.size != batch:
+        hi, lo = np.full(batch, hi.flat[0], np.uint64), np.full(batch, lo.flat[0], np.uint64)
+    return hi, lo
+
+
+class AttentionSampler(ForwardHookSampler):
     """Installs the per-step capture on sampled forward passes and publishes what it captured."""
 
     def __init__(self, model, policy: AttentionEntropy):
+        super().__init__(attention_modules(model))
         self.model = model
         self.policy = policy
-        self.modules = attention_modules(model)
         from llmobs.publisher_layers import attention_module_names
 
         self.names = attention_module_names(model)  # registered in the map for root cause (kind 1)
         self.config = getattr(model, "config", None)
-        self._handles: list = []
-        self._captured: list = []
         self._saved_impl = None
-        self._step = None  # (step_seq, trace_hi, trace_lo) of the sampled pass in flight
 
     def begin(self, step_seq: int, trace_hi, trace_lo) -> None:
         """Called by the pre-hook once the step has its step_seq; a no-op on unsampled passes."""
@@ -85,10 +130,7 @@ class AttentionSampler:
         self._saved_impl = self.config._attn_implementation
         if self._saved_impl != "eager":
             self.config._attn_implementation = "eager"
-        self._captured = [None] * len(self.modules)
-        for i, module in enumerate(self.modules):
-            self._handles.append(module.register_forward_hook(self._hook(i)))
-        self._step = (step_seq, trace_hi, trace_lo)
+        self._install(step_seq, trace_hi, trace_lo)
 
     def _hook(self, index: int):
         def capture(module, args, output):
@@ -100,26 +142,18 @@ class AttentionSampler:
 
     def abort(self) -> None:
         """Remove the hooks and give the model its attention implementation back."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        super().abort()
         if self._saved_impl is not None:
             if self.config._attn_implementation != self._saved_impl:
                 self.config._attn_implementation = self._saved_impl
             self._saved_impl = None
-        self._step = None
 
     def end(self, writer) -> None:
         """Called by the post-hook: publish the captured entropies of a sampled pass."""
-        step = self._step
-        self.abort()
-        captured, self._captured = self._captured, []
-        if step is None or not captured or any(c is None for c in captured):
+        taken = self._take()
+        if taken is None:
             return
-        import torch
-
-        step_seq, trace_hi, trace_lo = step
-        per_layer = torch.stack(captured)  # [L, B, H]
+        (step_seq, trace_hi, trace_lo), per_layer = taken  # [L, B, H]
         n_layers, batch, heads = per_layer.shape
         if self.policy.per_head:
             values = per_layer.reshape(-1)
@@ -131,10 +165,7 @@ class AttentionSampler:
             head = layout.HEAD_MEAN
             row = np.tile(np.arange(batch, dtype=np.int32), n_layers)
             layer = np.repeat(np.arange(n_layers, dtype=np.int32), batch)
-        hi = np.asarray(trace_hi, dtype=np.uint64)
-        lo = np.asarray(trace_lo, dtype=np.uint64)
-        if hi.size != batch:  # rows that are not the request's rows: attribute them all to row 0
-            hi, lo = np.full(batch, hi.flat[0], np.uint64), np.full(batch, lo.flat[0], np.uint64)
+        hi, lo = row_traces(trace_hi, trace_lo, batch)
         from llmobs.publisher_layers import publish_module_names
 
         publish_module_names(writer, layout.LAYER_ATTENTION_ENTROPY, self.names)

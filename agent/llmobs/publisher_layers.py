@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from llmobs.publisher_attention import coerce_policy
+from llmobs.publisher_attention import ForwardHookSampler, coerce_policy, row_traces
 from llmobs.shm import layout
 
 MODULE_NAME_PREFIX = "module:"  # names-ring text of a layer-stream module: module:<kind>:<layer>:<name>
@@ -91,26 +91,20 @@ def newest_position_variance(output):
     return last.detach().float().var(dim=-1, correction=0)
 
 
-class MlpSampler:
+class MlpSampler(ForwardHookSampler):
     """Installs the MLP hooks on sampled forward passes and publishes what they captured (kind 2)."""
 
     def __init__(self, model, every: int):
-        self.every = every
         named = mlp_modules(model)
+        super().__init__([m for _, m in named])
+        self.every = every
         self.names = [n for n, _ in named]
-        self.modules = [m for _, m in named]
-        self._handles: list = []
-        self._captured: list = []
-        self._step = None  # (step_seq, trace_hi, trace_lo) of the sampled pass in flight
 
     def begin(self, step_seq: int, trace_hi, trace_lo) -> None:
         self.abort()  # a forward that raised last time never reached end()
         if step_seq % self.every or not self.modules:
             return
-        self._captured = [None] * len(self.modules)
-        for i, module in enumerate(self.modules):
-            self._handles.append(module.register_forward_hook(self._hook(i)))
-        self._step = (step_seq, trace_hi, trace_lo)
+        self._install(step_seq, trace_hi, trace_lo)
 
     def _hook(self, index: int):
         def capture(module, args, output):
@@ -118,39 +112,20 @@ class MlpSampler:
 
         return capture
 
-    def abort(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._step = None
-
     def end(self, writer) -> None:
-        step = self._step
-        self.abort()
-        captured, self._captured = self._captured, []
-        if step is None or not captured or any(c is None for c in captured):
+        taken = self._take()
+        if taken is None:
             return
-        import torch
-
-        step_seq, trace_hi, trace_lo = step
-        per_layer = torch.stack(captured)  # [L, B]
+        (step_seq, trace_hi, trace_lo), per_layer = taken  # [L, B]
         n_layers, batch = per_layer.shape
         row = np.tile(np.arange(batch, dtype=np.int32), n_layers)
         layer = np.repeat(np.arange(n_layers, dtype=np.int32), batch)
-        hi, lo = _row_traces(trace_hi, trace_lo, batch)
+        hi, lo = row_traces(trace_hi, trace_lo, batch)
         publish_module_names(writer, layout.LAYER_MLP_VARIANCE, self.names)
         writer.publish_layers(
             per_layer.reshape(-1), step_seq=step_seq, kind=layout.LAYER_MLP_VARIANCE, trace_hi=hi[row],
             trace_lo=lo[row], batch_row=row, layer=layer, head=layout.HEAD_MEAN,
         )  # fmt: skip
-
-
-def _row_traces(trace_hi, trace_lo, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    hi = np.asarray(trace_hi, dtype=np.uint64)
-    lo = np.asarray(trace_lo, dtype=np.uint64)
-    if hi.size != batch:  # rows that are not the request's rows: attribute them all to row 0
-        hi, lo = np.full(batch, hi.flat[0], np.uint64), np.full(batch, lo.flat[0], np.uint64)
-    return hi, lo
 
 
 def publish_module_names(writer, kind: int, names: list[str]) -> None:
