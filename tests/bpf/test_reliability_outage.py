@@ -43,7 +43,9 @@ class Daemon:
     """`llmobs-agent run --config FILE`; its stderr lines are read with bounded waits."""
 
     def __init__(self, config: Path):
-        env = {**os.environ, "LLMOBS_CONFIG": ""}
+        # DuckDB's cache of what the daemon stores grows with ingest up to its cap (256MB), outage or not:
+        # capped low here, so that the RSS bound measures what the outage holds (the exporter's batch).
+        env = {**os.environ, "LLMOBS_CONFIG": "", "LLMOBS_DUCKDB_MEMORY_LIMIT": "32MB"}
         env.pop("NOTIFY_SOCKET", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "llmobs.cli", "run", "--config", str(config)],

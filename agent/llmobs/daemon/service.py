@@ -39,7 +39,6 @@ DRAIN_PERIOD_S = (0.02, 0.05)  # as `attach`: 20 ms while events flow, 50 ms whe
 SLOW_TICK_S = 1.0  # target exits, governor, status file
 RETENTION_EVERY_S = 600.0
 STATUS_FILE = "daemon.json"
-DUCKDB_MEMORY_LIMIT = "256MB"  # the store's working memory (it spills to disk beyond): within MemoryMax
 # probes.* keys change what the program is compiled with or how rows are weighted: the fleet is rebuilt
 FLEET_KEYS = ("probes.profiles", "probes.sample_n", "probes.sample_mode", "probes.ioctl_paths")
 SELECT_KEYS = ("select.users", "select.cgroup", "select.command", "discovery.recheck_s")
@@ -90,6 +89,7 @@ class Service:
         except ImportError as exc:
             raise MissingLibrary(f"bcc (python3-bpfcc) is not importable: {exc}") from exc
         from llmobs.store import DuckDBStore
+        from llmobs.store.sink import agent_memory_limit
 
         config = self.config
         try:
@@ -98,11 +98,9 @@ class Service:
             raise AccessDenied(f"cannot create the run dir {config.run_dir}: {exc.strerror}") from None
         except OSError as exc:
             raise LlmobsError(f"cannot create the run dir {config.run_dir}: {exc.strerror}") from None
-        self.store = DuckDBStore(config.store_path)
-        try:  # DuckDB's default is 80% of the host's RAM: far above the unit's MemoryMax; it spills instead
-            self.store.connection.execute(f"SET memory_limit = '{DUCKDB_MEMORY_LIMIT}'")
-        except Exception as exc:
-            self.log(f"store: could not limit DuckDB's memory: {exc}")
+        # DuckDB's default is 80% of the host's RAM, far above the unit's MemoryMax: the store's working
+        # memory is capped as for attach (256MB or $LLMOBS_DUCKDB_MEMORY_LIMIT); it spills beyond.
+        self.store = DuckDBStore(config.store_path, memory_limit=agent_memory_limit())
         if config.retention_bytes:  # before any cursor exists: compaction swaps the file
             self._retention(by_size=True)
         self.fleet = self._new_fleet(config)
