@@ -1,9 +1,14 @@
 """Compile proto/*.proto into agent/llmobs/_proto/ with grpc_tools.protoc (the generated code is
 built, never hand-edited or committed). Rebuilds only what is older than its .proto, so a second
-run of scripts/setup.sh changes nothing."""
+run of scripts/setup.sh changes nothing.
+
+    python scripts/gen_proto.py              into the source tree (scripts/setup.sh, editable installs)
+    python scripts/gen_proto.py --out DIR    into DIR: setup.py's build step, the wheel's llmobs/_proto
+"""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -14,29 +19,37 @@ PROTO_DIR = ROOT / "proto"
 OUT_DIR = ROOT / "agent" / "llmobs" / "_proto"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT_DIR, help="where the _pb2 modules go")
+    out_dir = parser.parse_args(argv).out
     protos = sorted(PROTO_DIR.glob("*.proto"))
     stale = []
     for proto in protos:
-        out = OUT_DIR / (proto.stem + "_pb2.py")
+        out = out_dir / (proto.stem + "_pb2.py")
         if not out.exists() or out.stat().st_mtime < proto.stat().st_mtime:
             stale.append(proto)
     if not stale:
-        print(f"[setup] protobuf code up to date ({len(protos)} files in {OUT_DIR.relative_to(ROOT)})")
+        print(f"[setup] protobuf code up to date ({len(protos)} files in {_shown(out_dir)})")
         return 0
     for proto in stale:
         args = [
             "protoc",
             f"--proto_path={PROTO_DIR}",
-            f"--python_out={OUT_DIR}",
-            f"--pyi_out={OUT_DIR}",
+            f"--python_out={out_dir}",
+            f"--pyi_out={out_dir}",
             str(proto),
         ]
         if protoc.main(args) != 0:
             print(f"[setup] error: protoc failed on {proto}", file=sys.stderr)
             return 1
-        print(f"[setup] generated {OUT_DIR.relative_to(ROOT)}/{proto.stem}_pb2.py from proto/{proto.name}")
+        print(f"[setup] generated {_shown(out_dir)}/{proto.stem}_pb2.py from proto/{proto.name}")
     return 0
+
+
+def _shown(path: Path) -> Path:
+    """The path relative to the checkout when it is inside it (setup's lines stay short)."""
+    return path.resolve().relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path
 
 
 if __name__ == "__main__":

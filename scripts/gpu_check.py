@@ -3,7 +3,9 @@
 
 Parts, each reported as RAN / SKIPPED (with the reason) / FAILED in one results file:
   preflight   GPU, driver, torch CUDA, cupti-python, nvidia-ml-py, bcc, and whether eBPF runs at all
-  nvml        NvmlSampler on the device (device and per-process utilisation/memory)
+  nvml        NvmlSource (the agent's live NVML source) while an instrumented workload generates: rows
+              for its pid each second, stored through the Pipeline in gpu_samples of a real store and
+              joined to its token steps (step_gpu) when duckdb is importable
   throughput  tokens/s of the CUDA generation loop: baseline (no llmobs) vs instrumented vs
               instrumented + `attach --profile cuda`, interleaved rounds, ratios of medians
   trace       `trace --steps 8` on a generating process while `attach --profile cuda` runs:
@@ -197,31 +199,100 @@ class Attach:
 
 
 # --- parts ---------------------------------------------------------------------------------------------
-def nvml_part(res: Results, args) -> None:
-    from llmobs.nvml import NvmlSampler
+NVML_POLL_S = 1.0  # how often the agent's runtime polls NvmlSource
 
-    sampler = NvmlSampler(hz=4, status=lambda line: res.line(line))
-    if not sampler.open():
-        res.part("nvml", "SKIPPED", sampler.reason)
+
+def nvml_part(res: Results, args, facts, tmp: Path, make_source=None) -> None:
+    """NvmlSource, the agent's live NVML source, on the device while an instrumented workload generates:
+    rows for the workload's pid every second and, where duckdb is importable, those rows through the
+    Pipeline into gpu_samples of a real store, joined to the workload's token steps by step_gpu.
+    `make_source(say=...)` builds the source (a test stands NVML in; here it is the real one)."""
+    from llmobs.gpu.nvml_source import NvmlSource, split_by_pid
+
+    source = (make_source or NvmlSource)(say=res.line)
+    source.poll()  # opens NVML; where it cannot, it has said why in one line
+    if not source.available:
+        res.part("nvml", "SKIPPED", source.status or "NVML did not open")
         return
-    w = Workload(args, instrument=False, requests=args.requests, wait_stdin=True)
+    # at least ~3 s of generation: NVML's per-process utilisation needs periods of work to say anything
+    w = Workload(args, instrument=True, requests=args.requests * (1 if args.rehearse else 3), wait_stdin=True)
+    db = tmp / "nvml.duckdb"
+    pipeline = summary = None
+    polled: list[dict] = []
     try:
+        source.track(w.pid)
+        if facts["duckdb"]:
+            from llmobs.pipeline import Pipeline
+
+            pipeline = Pipeline.open(db, w.pid, snapshot=False)
         w.go()
-        time.sleep(1.0)  # NVML's utilisation counters need a period of work to say anything
-        devices, procs = sampler.sample()
+        next_poll, deadline = time.monotonic(), time.monotonic() + args.run_timeout
+        while w.proc.poll() is None and time.monotonic() < deadline:
+            if pipeline is not None:
+                pipeline.poll()  # the workload's token steps, from its map
+            if time.monotonic() >= next_poll:
+                next_poll += NVML_POLL_S
+                batch = source.poll()
+                mine = split_by_pid(batch["gpu_samples"]).get(w.pid) if batch else None
+                if mine is not None:
+                    polled.append(mine)
+                    if pipeline is not None:
+                        pipeline.add_gpu_samples(mine)
+            time.sleep(0.02)
         w.finish(args.run_timeout)
     finally:
+        if pipeline is not None:
+            summary = pipeline.close()
         w.stop()
-        sampler.stop()
-    for d in devices:
-        res.line(f"  device {d.device}: gpu {d.gpu_util}% mem {d.mem_util}% used {d.mem_used >> 20} MiB "
-                 f"of {d.mem_total >> 20} MiB")  # fmt: skip
-    mine = [p for p in procs if p.pid == w.pid]
-    for p in mine:
-        res.line(f"  pid {p.pid}: sm {p.sm_util}% mem {p.mem_util}% used {p.mem_used >> 20} MiB")
-    ok = bool(devices) and bool(mine)
-    detail = f"{len(devices)} device rows, workload pid seen: {bool(mine)}"
-    res.part("nvml", "RAN" if ok else "FAILED", detail)
+        stats = source.stats()
+        source.close()
+    rows = [{k: v[i] for k, v in cols.items()} for cols in polled for i in range(len(cols["ts_ns"]))]
+    for r in rows:
+        res.line(f"  pid {r['pid']} gpu {r['gpu_index']} ({r['gpu_name']}, {r['gpu_uuid']}): "
+                 f"sm {r['sm_util']}% mem {r['mem_util']}% used {_mib(r['mem_used'])} MiB; device gpu "
+                 f"{r['gpu_util']}% used {_mib(r['device_mem_used'])} of {_mib(r['device_mem_total'])} "
+                 "MiB")  # fmt: skip
+    res.line(f"  source: {stats}")
+    checks = {
+        "rows for the workload's pid": bool(rows),
+        "its device memory seen": any((r["mem_used"] or 0) > 0 for r in rows),
+    }
+    res.line(f"  SM utilisation figures in {sum(r['sm_util'] is not None for r in rows)} of {len(rows)} rows "
+             "(NVML gives one only after the process ran kernels since its last look)")  # fmt: skip
+    if summary is not None:
+        checks.update(stored_gpu_samples(res, db, w.pid, len(rows), summary))
+    else:
+        res.line("  store not checked: duckdb is not importable here (not carried; see docs/gpu-check.md)")
+    for name, ok in checks.items():
+        res.line(f"  [{'ok' if ok else 'FAIL'}] {name}")
+    passed = f"{sum(checks.values())}/{len(checks)} checks"
+    res.part("nvml", "RAN" if all(checks.values()) else "FAILED", passed)
+
+
+def stored_gpu_samples(res: Results, db: Path, pid: int, polled: int, summary) -> dict[str, bool]:
+    """What the pipeline stored: every polled row in gpu_samples, and token steps given a sample."""
+    import duckdb
+
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        stored = con.execute("SELECT count(*) FROM gpu_samples WHERE pid = ?", [pid]).fetchall()[0][0]
+        steps = con.execute("SELECT count(*) FROM token_steps WHERE pid = ?", [pid]).fetchall()[0][0]
+        joined = con.execute(
+            "SELECT count(DISTINCT (step_seq, batch_row)) FROM step_gpu WHERE pid = ?", [pid]
+        ).fetchall()[0][0]
+    finally:
+        con.close()
+    error = f"; store error: {summary.store_error}" if summary.store_error else ""
+    res.line(f"  store {db.name}: {stored} gpu_samples rows, {steps} token steps, {joined} of them given a "
+             f"sample by step_gpu{error}")  # fmt: skip
+    return {
+        "every polled row in gpu_samples": stored == polled > 0,
+        "token steps joined to a sample (step_gpu)": joined > 0,
+    }
+
+
+def _mib(value) -> str:
+    return "?" if value is None else f"{int(value) >> 20:,}"
 
 
 def throughput_part(res: Results, args, facts) -> None:
@@ -391,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--parts", default="trace,throughput,nvml,gpu-tests")
+    p.add_argument("--parts", default="trace,nvml,throughput,gpu-tests")
     args = p.parse_args(argv)
     where = ("tiny", "cpu", "cpu") if args.rehearse else ("small", "cuda", "cuda")
     args.model, args.device, args.profile = where
@@ -405,8 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     facts = preflight(res, args)
     steps = [  # the most telling first: a run cut short by the time limit still has them
         ("trace", lambda: trace_part(res, args, facts, tmp)),
+        ("nvml", lambda: nvml_part(res, args, facts, tmp)),
         ("throughput", lambda: throughput_part(res, args, facts)),
-        ("nvml", lambda: nvml_part(res, args)),
         ("gpu-tests", lambda: gpu_tests_part(res, args, facts)),
     ]
     for name, fn in steps:

@@ -120,12 +120,12 @@ else
 fi
 
 # llmobs from this checkout, without installing it: agent/llmobs is `llmobs`, cupti/collector is
-# `llmobs.cupti` (the layout pyproject.toml maps; copying keeps NVIDIA's `cupti` unshadowed)
+# `llmobs.cupti` (the layout pyproject.toml maps; copying keeps NVIDIA's `cupti` unshadowed); the BPF C
+# sources come along (package data in llmobs/bpf/c)
 cp -a "$REPO/agent/llmobs" "$STAGE/py/llmobs" && rm -rf "$STAGE/py/llmobs/cupti" \
   && cp -a "$REPO/cupti/collector" "$STAGE/py/llmobs/cupti" || { say "gpu_check: cannot stage llmobs"; exit 1; }
 export PYTHONPATH=$PYPATH${PYTHONPATH:+:$PYTHONPATH}
-export LLMOBS_BPF_DIR=$REPO/bpf  # the BPF C sources: the staged package is not beside them
-"$PYTHON" -c 'import llmobs.cupti.collector, llmobs.commands.trace' 2>>"$RESULTS" \
+"$PYTHON" -c 'import llmobs.cupti.collector, llmobs.commands.trace, llmobs.gpu.nvml_source' 2>>"$RESULTS" \
   || { say "gpu_check: the staged llmobs does not import (see above)"; exit 1; }
 
 # --- 4. the checks --------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up llmobs-agent on a fresh Debian 12 machine, as root. Idempotent: a second run checks
 # every step, changes nothing and finishes in seconds. Every change it makes is reported.
+# Run by a user, it re-runs itself through sudo (and says so); without root or sudo it stops with a hint.
 #
 #   scripts/setup.sh            everything: apt packages, kernel headers, tracefs, .venv, protobuf code
 #   PYTHON=/usr/bin/python3.11 scripts/setup.sh   choose the interpreter the venv is built from
@@ -21,7 +22,15 @@ pip_install() {
 }
 die() { printf '[setup] error: %s\n' "$*" >&2; exit 1; }
 
-[ "$(id -u)" -eq 0 ] || die "run as root (sudo scripts/setup.sh): it installs apt packages and links kernel headers"
+if [ "$(id -u)" -ne 0 ]; then
+  if command -v sudo >/dev/null; then
+    say "not root: re-running through sudo (it installs apt packages and links kernel headers)"
+    exec sudo -- env "PYTHON=$PYTHON" bash "$ROOT/scripts/setup.sh" "$@"
+  fi
+  printf '[setup] error: setup needs root (apt packages, kernel headers) and sudo is not installed\n' >&2
+  printf '[setup] hint: run it in a root shell: su -c %q\n' "$ROOT/scripts/setup.sh" >&2
+  exit 1
+fi
 command -v apt-get >/dev/null || die "this script supports Debian/Ubuntu (apt-get not found)"
 
 # --- 1. apt packages -------------------------------------------------------------------------

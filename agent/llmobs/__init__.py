@@ -8,13 +8,13 @@ workload pays only for what it uses.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "instrument": ("llmobs.publisher_hf", "instrument"),
-    "request": ("llmobs.publisher", "request"),
-    "context": ("llmobs.publisher", "context"),
-    "AttentionEntropy": ("llmobs.publisher_attention", "AttentionEntropy"),
-    "MlpVariance": ("llmobs.publisher_layers", "MlpVariance"),
-    "LayerStreams": ("llmobs.publisher_layers", "LayerStreams"),
-    "TrainingOptions": ("llmobs.publisher_train", "TrainingOptions"),
+    "instrument": ("llmobs.publisher.hf", "instrument"),
+    "request": ("llmobs.publisher.request", "request"),
+    "context": ("llmobs.publisher.request", "context"),
+    "AttentionEntropy": ("llmobs.publisher.attention", "AttentionEntropy"),
+    "MlpVariance": ("llmobs.publisher.layers", "MlpVariance"),
+    "LayerStreams": ("llmobs.publisher.layers", "LayerStreams"),
+    "TrainingOptions": ("llmobs.publisher.training", "TrainingOptions"),
 }
 
 

@@ -11,7 +11,7 @@ import importlib
 import sys
 import traceback
 
-from llmobs.errors import ExitCode, LlmobsError
+from llmobs.errors import ExitCode, LlmobsError, UsageError
 from llmobs.logtext import one_line
 
 # name -> (module, one-line help). Order is the order `--help` shows.
@@ -30,8 +30,33 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `error:` line and one `hint:` line (exit 2) like every other
+    error of the CLI, not argparse's usage block; its subparsers are of this class too."""
+
+    def error(self, message: str):
+        _print_error(UsageError(message, hint=f"see `{self.prog} --help` (usage: {self._short_usage()})"))
+        sys.exit(ExitCode.USAGE)
+
+    def _short_usage(self) -> str:
+        """`llmobs-agent query [options] [SQL]`: the positionals, the options left to --help."""
+        formatter = self._get_formatter()
+        positionals = [
+            formatter._format_args(action, action.dest)
+            for action in self._actions
+            if not action.option_strings
+        ]
+        return " ".join([self.prog, "[options]", *positionals])
+
+
+def _print_error(exc: LlmobsError) -> None:
+    print(f"error: {one_line(str(exc))}", file=sys.stderr)  # it may quote a process's comm
+    if exc.hint:
+        print(f"hint: {one_line(exc.hint)}", file=sys.stderr)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="llmobs-agent",
         description="Token-level observability of PyTorch LLM workloads (eBPF + CUPTI).",
     )
@@ -45,24 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
             if exc.name != module_name:
                 raise
             command_parser.set_defaults(_missing=True)
+    parser.commands = sub.choices  # name -> its parser
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # said by the command's parser, so the hint names that command's --help
+        command_parser = parser.commands.get(args.command, parser)
+        command_parser.error(f"unrecognized arguments: {' '.join(extras)}")
     if not args.command:
         parser.print_help()
         return ExitCode.USAGE
-    if getattr(args, "_missing", False):
-        print(f"error: `{args.command}` is not built yet in this version", file=sys.stderr)
-        return ExitCode.USAGE
     try:
+        if getattr(args, "_missing", False):
+            raise UsageError(
+                f"`{args.command}` is not built yet in this version", hint="see `llmobs-agent --help`"
+            )
         return int(importlib.import_module(args._module).run(args) or 0)
     except LlmobsError as exc:
-        print(f"error: {one_line(str(exc))}", file=sys.stderr)  # it may quote a process's comm
-        if exc.hint:
-            print(f"hint: {exc.hint}", file=sys.stderr)
+        _print_error(exc)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

@@ -92,7 +92,14 @@ class NoResponse(LlmobsError):
     default_hint = "a process handles commands when a token step starts: is it generating? raise --timeout"
 
 
-class ConfigError(LlmobsError):
+class UsageError(LlmobsError):
+    """Bad command-line arguments: a missing or malformed option, or options that exclude each other."""
+
+    exit_code = ExitCode.USAGE
+    default_hint = "see `llmobs-agent COMMAND --help`"
+
+
+class ConfigError(UsageError):
     """A bad setting of the daemon's configuration (file, LLMOBS_* variable or flag)."""
 
     exit_code = ExitCode.USAGE

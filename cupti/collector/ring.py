@@ -1,6 +1,6 @@
 """Batch writes into the map's CUPTI ring, from the drain thread: one numpy pass per batch instead of
 one ShmWriter.publish_cupti call per record (about half the cost per record here, see
-scripts/bench_cupti_drain.py), and the CUPTI -> CLOCK_MONOTONIC conversion done on whole columns.
+bench/cupti_drain.py), and the CUPTI -> CLOCK_MONOTONIC conversion done on whole columns.
 
 The ring protocol is the writer's (shm/writer.py, layout.CUPTI_RECORD): every claimed slot's seq word
 reads 2*pos+1 before any of its fields change and 2*pos+2 only after all of them are written, and the

@@ -25,8 +25,8 @@ class Agent:
     def __init__(self, *args: str):
         # The overhead governor (on by default, 1%) may detach costly probes mid-test; these tests count
         # exactly, so it is off unless a test sets a budget (tests/bpf/test_governor_live.py does).
-        if "--budget" not in args:
-            args = (*args, "--budget", "0")
+        if "--overhead-budget" not in args:
+            args = (*args, "--overhead-budget", "0")
         self.proc = subprocess.Popen([*AGENT, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.pid = self.proc.pid
         self.lines: list[str] = []

@@ -12,12 +12,13 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from held_workload import HeldWorkload
 from test_attach import Agent, _assert_clean
 from test_probes_target import leftovers
 
+from bench.held_workload import HeldWorkload
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from rotel_harness import Rotel  # noqa: E402
+from bench.rotel_harness import Rotel  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
 REQUESTS, TOKENS = 4, 6

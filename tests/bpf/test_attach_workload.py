@@ -9,11 +9,12 @@ import signal
 from collections import defaultdict
 
 import pyarrow.parquet as pq
-from held_workload import HeldWorkload
 from llmobs.bpf.records import trace_kept
 from llmobs.shm.reader import ShmReader
 from test_attach import Agent, _assert_clean
 from test_probes_target import leftovers
+
+from bench.held_workload import HeldWorkload
 
 REQUESTS, TOKENS, SAMPLE = 24, 4, 2  # the workload's 4 prompts -> 4 trace ids (hash of the input ids)
 

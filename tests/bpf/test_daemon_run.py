@@ -23,11 +23,12 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from held_workload import HeldWorkload
+
+from bench.held_workload import HeldWorkload
 
 pytest.importorskip("bcc")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from rotel_harness import Rotel  # noqa: E402
+from bench.rotel_harness import Rotel  # noqa: E402
 
 LINE_TIMEOUT_S = 40.0
 REQUESTS, TOKENS = 2, 8

@@ -13,9 +13,10 @@ import sys
 from pathlib import Path
 
 import duckdb
-from held_workload import read_json_line
 from test_attach import Agent, _assert_clean
 from test_probes_target import leftovers
+
+from bench.held_workload import read_json_line
 
 AGENT = [sys.executable, "-m", "llmobs.cli"]
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"

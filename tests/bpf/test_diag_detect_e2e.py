@@ -17,9 +17,10 @@ import subprocess
 import sys
 
 import duckdb
-from held_workload import HeldWorkload
 from test_attach import Agent, _assert_clean
 from test_probes_target import leftovers
+
+from bench.held_workload import HeldWorkload
 
 REQUESTS, TOKENS, SPIKE = 3, 40, 20
 SPIKE_BYTES = 64 << 20

@@ -23,11 +23,13 @@ import time
 from pathlib import Path
 
 import pytest
-from held_workload import HeldWorkload
+from llmobs.bpf import calibrate
 from llmobs.bpf.profiles import PROBE_IDS
 from llmobs.bpf.session import AttachSession, Options
-from llmobs.governor import Governor, calibrate
+from llmobs.governor import Governor
 from test_attach import Agent
+
+from bench.held_workload import HeldWorkload
 
 pytest.importorskip("bcc")
 WORKLOAD_ARGS = ("--model", "tiny", "--requests", "0", "--max-new-tokens", "16", "--threads", "1")
@@ -125,7 +127,7 @@ def test_attach_budget_logs_shows_and_summarises_the_decision(workload, tmp_path
     run_dir = tmp_path / "run"
     os.environ["LLMOBS_RUN_DIR"] = str(run_dir)  # the agent and `top` inherit it
     try:
-        agent = Agent("--pid", str(workload.pid), "--profile", "cpu,mem", "--budget", "0.1",
+        agent = Agent("--pid", str(workload.pid), "--profile", "cpu,mem", "--overhead-budget", "0.001",
                       "--db", str(tmp_path / "s.duckdb"))  # fmt: skip
         line = agent.wait_for("cost alloc_cpu", timeout=60)
         assert "ns/hit" in line and "x an empty entry+return uprobe" in line

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
-from held_workload import HeldWorkload, read_json_line
 from test_attach import Agent, _assert_clean
 from test_probes_target import leftovers
+
+from bench.held_workload import HeldWorkload, read_json_line
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
 REQUESTS, TOKENS = 6, 8

@@ -25,11 +25,12 @@ from collections import Counter
 from pathlib import Path
 
 import duckdb
-from held_workload import read_json_line
 from test_attach import Agent
 
+from bench.held_workload import read_json_line
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from rotel_harness import Rotel, wait_until  # noqa: E402
+from bench.rotel_harness import Rotel, wait_until  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
 BATCH_SPANS = 512  # OtlpConfig.batch_spans default: the most one lost ack can make us re-send

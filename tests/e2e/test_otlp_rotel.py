@@ -20,14 +20,16 @@ import pyarrow as pa
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llmobs import clock, correlate  # noqa: E402
+from llmobs import clock  # noqa: E402
 from llmobs.otlp import config as otlp_config  # noqa: E402
 from llmobs.otlp.delivery import OtlpExporter  # noqa: E402
 from llmobs.otlp.encoder import SpanIds  # noqa: E402
 from llmobs.otlp.metrics import kernel_class  # noqa: E402
+from llmobs.pipeline import correlate  # noqa: E402
 from llmobs.store import synthetic  # noqa: E402
 from llmobs.store.sink import DuckDBStore  # noqa: E402
-from rotel_harness import Rotel, parse_metrics, parse_spans, wait_until  # noqa: E402
+
+from bench.rotel_harness import Rotel, parse_metrics, parse_spans, wait_until  # noqa: E402
 
 PID = 4242
 KERNELS = (
@@ -238,7 +240,7 @@ def test_cli_unreachable_collector_is_one_line_and_keeps_rows(tmp_path):
     db = tmp_path / "s.duckdb"
     with DuckDBStore(db) as store:
         fill(store, PID, requests=2, tokens=5, start_ns=clock.monotonic_ns() - 30_000_000_000)
-    from rotel_harness import free_port
+    from bench.rotel_harness import free_port
 
     result = run_cli("--db", str(db), "--endpoint", f"http://127.0.0.1:{free_port()}", "--give-up-after", "1")
     assert result.returncode == 12

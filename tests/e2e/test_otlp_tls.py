@@ -26,7 +26,8 @@ from llmobs.otlp.delivery import ExportFailed, OtlpExporter  # noqa: E402
 from llmobs.otlp.source import ExportCursor  # noqa: E402
 from llmobs.store import synthetic  # noqa: E402
 from llmobs.store.sink import DuckDBStore  # noqa: E402
-from rotel_harness import free_port  # noqa: E402
+
+from bench.rotel_harness import free_port  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 

@@ -77,7 +77,7 @@ def test_a_second_trace_works_after_the_first(workload):
 
 
 def test_nvml_sees_the_workload(workload):
-    from llmobs.nvml import NvmlSampler
+    from llmobs.gpu.nvml import NvmlSampler
 
     lines = []
     sampler = NvmlSampler(hz=4, status=lines.append)
@@ -88,3 +88,22 @@ def test_nvml_sees_the_workload(workload):
         sampler.stop()
     assert devices and devices[0].mem_total > 0
     assert any(p.pid == workload and p.mem_used != 0 for p in procs)
+
+
+def test_nvml_source_gives_the_workload_rows(workload):
+    """The live Source on the real NVML: the generating workload (requests 0: it runs until stopped)
+    gets gpu_samples rows with its device memory and the device's UUID."""
+    from llmobs.gpu.nvml_source import NvmlSource, split_by_pid
+
+    lines = []
+    source = NvmlSource(say=lines.append)
+    source.track(workload)
+    try:
+        batch = source.poll()
+    finally:
+        source.close()
+    assert source.status and not any("read failed" in line for line in lines), lines
+    assert batch is not None, lines
+    mine = split_by_pid(batch["gpu_samples"])[workload]
+    assert all(m and m > 0 for m in mine["mem_used"]) and all(u for u in mine["gpu_uuid"])
+    assert all(0 < t <= d for t, d in zip(mine["device_mem_used"], mine["device_mem_total"], strict=True))

@@ -53,6 +53,8 @@ def test_cuda_steps_commit_after_their_copy_and_match_cross_entropy(shm):
 
 def test_no_host_sync_per_step(shm):
     import llmobs
+    from llmobs.shm import layout
+    from llmobs.shm.reader import ShmReader
 
     lg = torch.randn(1, 32000, device="cuda")
     tg = torch.randint(0, 32000, (1,), device="cuda")
@@ -66,4 +68,13 @@ def test_no_host_sync_per_step(shm):
                 req.step(lg, tg)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert llmobs.publisher.errors == 0
+    assert llmobs.publisher.request.errors == 0
+    # ... and the steps were published: the warm-up and all 10, committed from the device (the request's
+    # end waits once for the newest copy), each with the loss of its logits
+    with ShmReader(os.getpid(), shm_dir=str(shm)) as r:
+        b = r.read_steps(0)
+    assert (len(b), b.lost, b.corrupt) == (11, 0, 0)
+    assert list(b.columns["step"]) == list(range(11))
+    assert (b.raw["flags"] & layout.FLAG_DEVICE_CUDA).all()
+    expect = F.cross_entropy(lg, tg, reduction="none").item()
+    assert (abs(b.columns["loss"] - expect) <= 1e-5).all()

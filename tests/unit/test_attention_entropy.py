@@ -13,7 +13,7 @@ import pytest
 import torch
 from llmobs.pipeline import Pipeline
 from llmobs.pipeline.sources import ShmSource
-from llmobs.publisher_attention import AttentionEntropy, as_policy
+from llmobs.publisher.attention import AttentionEntropy, as_policy
 from llmobs.shm import layout
 from llmobs.shm.reader import ShmReader
 from llmobs.store.sink import DuckDBStore

@@ -1,4 +1,4 @@
-"""The numpy mirrors in llmobs.bpf.records agree with bpf/llmobs_events.h, and the sample hash
+"""The numpy mirrors in llmobs.bpf.records agree with bpf/c/llmobs_events.h, and the sample hash
 reproduces the kernel's (checked against the C code's constants by value)."""
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ command answers `--help`."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -59,3 +60,149 @@ def test_doctor_help_documents_json(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["doctor", "--help"])
     assert "--json" in capsys.readouterr().out
+
+
+# ---- usage errors: one `error:` line and one `hint:` line, exit 2 (argparse's own errors included) -----
+def _two_lines(err: str) -> tuple[str, str]:
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    assert lines[0].startswith("error: ") and lines[1].startswith("hint: "), err
+    return lines[0], lines[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "error", "command"),
+    [
+        (["attach", "--pid", "abc"], "error: argument --pid: invalid int value: 'abc'", "attach"),
+        (["doctor", "--no-such-option"], "error: unrecognized arguments: --no-such-option", "doctor"),
+        (["inspect"], "error: the following arguments are required: --pid", "inspect"),
+        (["query", "--db"], "error: argument --db: expected one argument", "query"),
+    ],
+)
+def test_argparse_errors_are_one_error_and_one_hint_line(argv, error, command, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == ExitCode.USAGE
+    err = capsys.readouterr().err
+    first, hint = _two_lines(err)
+    assert first == error
+    assert hint.startswith(f"hint: see `llmobs-agent {command} --help`")
+    assert "usage:" not in first and "Traceback" not in err
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llmobs.cli", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+@pytest.mark.parametrize(("percent", "fraction"), [("1", "0.01"), ("0", "0"), ("2.5", "0.025")])
+def test_attach_budget_in_percent_still_works_with_one_deprecation_line(percent, fraction) -> None:
+    done = _cli("attach", "--budget", percent, "--ebpf")  # --ebpf: validated, printed, nothing attached
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        f"warning: --budget is deprecated; use --overhead-budget {fraction} (a fraction)"
+    ]
+
+
+def test_attach_budget_settings_share_runs_parsers_and_units() -> None:
+    """--overhead-budget is the fraction of `run --overhead-budget` and overhead.budget, validated by the
+    same parser; the attach loop reads the fraction."""
+    import argparse
+
+    from llmobs.commands import attach
+
+    args = cli.build_parser().parse_args(["attach", "--overhead-budget", "0.05", "--sample", "3"])
+    assert attach._validate(args) == ("cpu", "host")
+    assert (args.overhead_budget, args.sample) == (0.05, 3)
+    assert (args.sample_mode, args.ioctl_paths, args.profile) == ("trace", "/dev/nvidia*", "cpu,host")
+    assert isinstance(args, argparse.Namespace)
+    error, hint = _two_lines(_cli("attach", "--overhead-budget", "5", "--ebpf").stderr)
+    assert error.startswith("error: overhead.budget = '5' (from flag --overhead-budget): out of range")
+    both = _cli("attach", "--budget", "1", "--overhead-budget", "0.01", "--ebpf")
+    assert (
+        both.returncode == 2
+        and _two_lines(both.stderr)[0] == "error: --budget and --overhead-budget both given"
+    )
+
+
+def test_run_flags_are_generated_from_the_settings_table(capsys) -> None:
+    from llmobs.commands.run import FLAGS, flags_of
+    from llmobs.settings import SETTINGS
+
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    shown = re.findall(r"\[(--[a-z-]+)", help_text.split(" options: ")[0])
+    assert shown == [
+        "--config",
+        "--check-config",
+        "--db",
+        "--retention-age",
+        "--profile",
+        "--sample",
+        "--sample-mode",
+        "--user",
+        "--cgroup",
+        "--command",
+        "--interval",
+        "--overhead-budget",
+        "--cost-scale",
+        "--run-dir",
+        "--otlp",
+        "--otlp-protocol",
+    ]  # fmt: skip  (the flags `run` had before they were generated)
+    for setting in SETTINGS:
+        if setting.flag:
+            assert f"{setting.flag} {setting.metavar}" in help_text and f"({setting.key})" in help_text
+    args = cli.build_parser().parse_args(["run", "--command", "serve", "--interval", "3", "--otlp", "x:1"])
+    flags = flags_of(args)
+    assert set(flags) == {flag.key for flag in FLAGS}
+    assert (flags["select.command"], flags["discovery.interval_s"], flags["otlp.endpoint"]) == (
+        "serve",
+        "3",
+        "x:1",
+    )
+    assert flags["probes.sample_n"] is None  # not given: the environment, file or default decides
+
+
+def test_export_to_an_unwritable_output_hints_at_the_output_not_the_store(tmp_path, capsys) -> None:
+    from llmobs.store import DuckDBStore
+
+    db = tmp_path / "s.duckdb"
+    with DuckDBStore(db):
+        pass
+    assert (
+        cli.main(["export", "--db", str(db), "--parquet", "/proc/llmobs-no-such/dir"]) == ExitCode.STORE_ERROR
+    )
+    error, hint = _two_lines(capsys.readouterr().err)
+    assert error.startswith("error: cannot create /proc/llmobs-no-such/dir")
+    assert "--parquet" in hint and "--db" not in hint
+    assert cli.main(["export", "--db", str(db), "--perfetto", "/proc/llmobs-no-such/t.json"]) != 0
+    _, hint = _two_lines(capsys.readouterr().err)
+    assert "--perfetto" in hint and "--db" not in hint
+
+
+def test_a_map_of_random_bytes_is_not_an_llmobs_map_and_a_version_mismatch_is(tmp_path) -> None:
+    import os
+    import struct
+
+    from llmobs.shm import layout
+
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        path = tmp_path / f"llmobs.{sleeper.pid}"
+        path.write_bytes(os.urandom(8192))
+        os.chmod(path, 0o600)
+        done = _cli("inspect", "--pid", str(sleeper.pid), "--shm-dir", str(tmp_path))
+        assert done.returncode == ExitCode.MALFORMED_MAP, done.stderr
+        error, hint = _two_lines(done.stderr)
+        assert "bad magic" in error and "not an llmobs map" in error
+        assert "llmobs header" in hint and "ABI" not in hint
+        path.write_bytes(struct.pack("<QI", layout.MAGIC, layout.ABI_VERSION + 1).ljust(8192, b"\0"))
+        done = _cli("inspect", "--pid", str(sleeper.pid), "--shm-dir", str(tmp_path))
+        error, hint = _two_lines(done.stderr)
+        assert f"ABI version {layout.ABI_VERSION + 1}" in error and "ABI version" in hint
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from llmobs.correlate import correlate
+from llmobs.pipeline.correlate import correlate
 from llmobs.store import DuckDBStore, synthetic
 from llmobs.store.synthetic import DEFAULT_PROBES, ProbeSpec
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from llmobs.correlate import correlate
+from llmobs.pipeline.correlate import correlate
 from llmobs.store import DuckDBStore
 
 PID = 4242

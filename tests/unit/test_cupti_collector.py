@@ -13,7 +13,7 @@ import pytest
 from fake_cupti import CLOCK_OFFSET_NS, FakeCupti
 from llmobs.cupti import protocol as p
 from llmobs.cupti.collector import CuptiCollector, load_cupti
-from llmobs.gpu_trace import CuptiCapture
+from llmobs.gpu.records import CuptiCapture
 from llmobs.shm import layout
 from llmobs.shm import writer as writer_mod
 from llmobs.shm.control import ControlClient

@@ -1,5 +1,5 @@
 """Layer streams beyond attention (MLP output variance, kind 2), their module names, the anomaly
-correlation matrix and root cause (llmobs.publisher_layers, llmobs.diagnostics.correlation/rootcause).
+correlation matrix and root cause (llmobs.publisher.layers, llmobs.diagnostics.correlation/rootcause).
 
 MLP variance is checked against a reference computed by hand from the tiny GPT-2's own MLP on the
 hidden states of an independent forward pass; correlation and root cause on a DuckDB store crafted
@@ -18,8 +18,9 @@ from llmobs.diagnostics.correlation import correlation_matrix
 from llmobs.diagnostics.rootcause import root_cause
 from llmobs.pipeline import Pipeline
 from llmobs.pipeline.sources import ShmSource
-from llmobs.publisher_layers import LayerStreams, MlpVariance, mlp_modules, parse_module_name
+from llmobs.publisher.layers import LayerStreams, MlpVariance, mlp_modules
 from llmobs.shm import layout
+from llmobs.shm.names import parse_module_name
 from llmobs.shm.reader import ShmReader
 from llmobs.store import schema
 from llmobs.store.sink import DuckDBStore

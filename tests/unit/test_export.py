@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from llmobs.cli import main
 from llmobs.clock import WallClock
-from llmobs.correlate import correlate
 from llmobs.errors import ExitCode
+from llmobs.pipeline.correlate import correlate
 from llmobs.store import DuckDBStore, schema, synthetic
 from llmobs.store.perfetto import PROBE_TRACK_BASE, REQUEST_TRACK_BASE
 

@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from llmobs.bpf import calibrate
 from llmobs.bpf.profiles import PROBE_IDS, PROBES
-from llmobs.governor import Governor, calibrate
+from llmobs.governor import Governor
 from llmobs.governor.governor import MAX_SLOWDOWN, MIN_USEFUL_SHARE, slowdown, useful_work
 
 BY_NAME = {probe.name: probe for probe in PROBES}
@@ -296,15 +297,25 @@ def test_cost_scale_weighs_the_calibrated_costs() -> None:
 
 
 def test_attach_refuses_a_budget_outside_0_to_100() -> None:
+    """The deprecated --budget PCT and --overhead-budget F: one unit (the fraction) and one parser."""
     import sys
 
-    for value in ("-1", "101"):
+    allowed = "allowed: a fraction in [0, 1], e.g. 0.01 for 1%; 0 turns the governor off"
+    for flag, value, shown in (
+        ("--budget", "-1", "-0.01"),
+        ("--budget", "101", "1.01"),
+        ("--overhead-budget", "-0.01", "'-0.01'"),
+        ("--overhead-budget", "1.01", "'1.01'"),
+    ):
         out = subprocess.run(
-            [sys.executable, "-m", "llmobs.cli", "attach", "--pid", "1", "--budget", value],
+            [sys.executable, "-m", "llmobs.cli", "attach", "--pid", "1", flag, value],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert out.returncode == 2, out.stderr
-        assert out.stderr.strip() == "error: --budget must be a percentage between 0 (governor off) and 100"
+        origin = f"flag {flag} {value}" if flag == "--budget" else f"flag {flag}"
+        error, hint = out.stderr.strip().splitlines()
+        assert error == f"error: overhead.budget = {shown} (from {origin}): out of range; {allowed}"
+        assert hint.startswith("hint: ")
 
 
 def test_attach_refuses_a_cost_scale_outside_0_to_100() -> None:
@@ -316,7 +327,11 @@ def test_attach_refuses_a_cost_scale_outside_0_to_100() -> None:
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert out.returncode == 2, out.stderr
-        assert out.stderr.strip() == "error: --cost-scale must be a number in (0, 100]"
+        assert out.stderr.strip().splitlines() == [
+            f"error: overhead.cost_scale = '{value}' (from flag --cost-scale): out of range; "
+            "allowed: a number in (0, 100]",
+            "hint: see `llmobs-agent attach --help`",
+        ]
 
 
 def test_the_default_cost_scale_multiplies_the_calibrated_cost_in_the_estimate() -> None:

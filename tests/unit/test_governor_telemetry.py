@@ -3,6 +3,8 @@ header line `top` prints from it."""
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 from pathlib import Path
@@ -53,11 +55,40 @@ def test_cpu_rss_and_threads_come_from_proc_self() -> None:
     assert second["events"] == 0 and second["drops"] == {} and second["export"] is None
 
 
-def test_idle_process_reads_near_zero_cpu() -> None:
+def _cpu_now() -> float:
+    """This process's user + system CPU seconds as the kernel's times(2) reports them: the same
+    accounting /proc/self/stat exposes, read through another interface."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _bracketed_sample(
+    telemetry: SelfTelemetry, spend
+) -> tuple[dict, dict, tuple[float, float, float, float]]:
+    """Two samples around `spend()`, each between two reads of os.times() and the monotonic clock:
+    (first, second, (inner cpu, outer cpu, inner wall, outer wall)). Whatever the sampler measured
+    between its two readings must lie between the inner and the outer interval."""
+    w0, c0 = time.monotonic(), _cpu_now()
+    first = telemetry.sample()
+    c1, w1 = _cpu_now(), time.monotonic()
+    spend()
+    w2, c2 = time.monotonic(), _cpu_now()
+    second = telemetry.sample()
+    c3, w3 = _cpu_now(), time.monotonic()
+    return first, second, (c2 - c1, c3 - c0, w2 - w1, w3 - w0)
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_cpu_percent_is_the_cpu_spent_between_samples(busy: bool) -> None:
     telemetry = SelfTelemetry()
-    telemetry.sample()
-    threading.Event().wait(0.3)  # idle on purpose: the thing measured, not a synchronisation
-    assert telemetry.sample()["cpu_percent"] < 50
+    # busy: burn 0.3 s of CPU; idle: wait on purpose (the thing measured, not a synchronisation)
+    spend = functools.partial(burn_cpu, 0.3) if busy else functools.partial(threading.Event().wait, 0.3)
+    first, second, (cpu_in, cpu_out, wall_in, wall_out) = _bracketed_sample(telemetry, spend)
+    measured = second["cpu_seconds"] - first["cpu_seconds"]
+    assert cpu_in - 0.001 <= measured <= cpu_out + 0.001  # cpu_seconds is rounded to 1 ms
+    assert 100 * cpu_in / wall_out - 0.01 <= second["cpu_percent"] <= 100 * cpu_out / wall_in + 0.01
+    if busy:  # 0.3 s of CPU burnt between the inner reads (times(2) counts it in 10 ms ticks): the
+        assert cpu_in > 0.25 and second["cpu_percent"] > 0  # bound above fails a sampler stuck at 0
 
 
 class _Counters:

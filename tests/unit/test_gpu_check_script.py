@@ -70,7 +70,7 @@ def _trace_doc(steps=(11, 12), kernels_per_step=2):
     import numpy as np
     from llmobs.commands.trace import summary_json
     from llmobs.cupti import protocol as p
-    from llmobs.gpu_trace import CuptiCapture, summarize
+    from llmobs.gpu.records import CuptiCapture, summarize
     from llmobs.shm import layout
     from llmobs.shm.hashing import name_hash
 
@@ -118,3 +118,46 @@ def test_gpu_check_judges_trace_output_and_compares_launches(tmp_path):
     totals[(1, index["cudaLaunchKernel"], 12)] = [3, 0, 0]
     pq.write_table(aggregates_table(totals), path)
     assert gc.compare_launches(steps, gc.launch_counts(path))[1] is False
+
+
+def test_gpu_check_nvml_part_stores_the_samples_of_a_real_workload(tmp_path):
+    """The nvml part's whole path on a real instrumented CPU workload and a real store, with only
+    NVML stood in for (it reports every pid the source tracks, on GPU 0): rows polled, stored in
+    gpu_samples through the Pipeline, and the workload's token steps joined to them by step_gpu."""
+    import argparse
+    from types import SimpleNamespace as NS
+
+    from fake_nvml import FakeNvml
+    from llmobs.gpu.nvml_source import NvmlSource
+
+    gc = _gpu_check_module()
+    made = []
+
+    class EveryTrackedPid(FakeNvml):
+        def nvmlDeviceGetComputeRunningProcesses(self, h):
+            return [NS(pid=pid, usedGpuMemory=1 << 30) for pid in made[0].pids] if h == "h0" else []
+
+        def nvmlDeviceGetProcessUtilization(self, h, last_seen):
+            return [NS(pid=pid, smUtil=30, memUtil=5, timeStamp=last_seen + 1) for pid in made[0].pids]
+
+    def make_source(say):
+        made.append(NvmlSource(load=EveryTrackedPid, say=say))
+        return made[0]
+
+    res = gc.Results(tmp_path / "results.txt")
+    args = argparse.Namespace(model="tiny", device="cpu", requests=2, tokens=4, batch=1, rehearse=True,
+                              load_timeout=180, run_timeout=240)  # fmt: skip
+    gc.nvml_part(res, args, {"duckdb": True}, tmp_path, make_source=make_source)
+    text = (tmp_path / "results.txt").read_text()
+    assert res.parts == [("nvml", "RAN", "4/4 checks")], text
+    assert "[ok] every polled row in gpu_samples" in text and "[ok] token steps joined to a sample" in text
+    assert "gpu 0 (NVIDIA H200, GPU-0000-h0): sm 30% mem 5% used 1,024 MiB" in text
+
+
+def test_gpu_check_nvml_part_skips_with_the_reason_on_this_host(tmp_path):
+    pytest.importorskip("pynvml")
+    gc = _gpu_check_module()
+    res = gc.Results(tmp_path / "results.txt")
+    gc.nvml_part(res, None, {"duckdb": True}, tmp_path)  # the real NVML: no driver here, no workload started
+    reason = "nvml: off: no NVIDIA driver on this host (libnvidia-ml.so.1 not found); the agent runs on"
+    assert res.parts == [("nvml", "SKIPPED", reason + " without GPU samples")]

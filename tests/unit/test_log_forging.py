@@ -71,7 +71,7 @@ def test_a_cli_error_quoting_a_comm_stays_one_line():
         assert child.stdout.readline().strip() == "ready"
         assert "\n" in Path(f"/proc/{child.pid}/comm").read_text().rstrip("\n")
         result = subprocess.run(
-            [sys.executable, "-m", "llmobs.cli", "attach", "--pid", str(child.pid), "--budget", "0"],
+            [sys.executable, "-m", "llmobs.cli", "attach", "--pid", str(child.pid), "--overhead-budget", "0"],
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
     finally:

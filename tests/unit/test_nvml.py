@@ -3,12 +3,12 @@ sampling logic on an object with pynvml's functions standing in for the driver."
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
-from llmobs import nvml
+from fake_nvml import FakeNvml
+from llmobs.gpu import nvml
 
 
 def test_real_nvml_without_a_driver_prints_one_line_and_stays_off():
@@ -31,45 +31,6 @@ def test_missing_nvidia_ml_py_is_one_line_too():
 
     assert nvml.NvmlSampler(load=missing, status=lines.append).open() is False
     assert len(lines) == 1 and "nvidia-ml-py is not installed" in lines[0]
-
-
-class FakeNvml:
-    """pynvml's functions for two devices; process 100 runs kernels on device 0."""
-
-    def __init__(self, devices=2):
-        self.devices = devices
-        self.shutdowns = 0
-        self.calls = 0
-        self.sampled = threading.Event()
-
-    def nvmlInit(self):
-        pass
-
-    def nvmlShutdown(self):
-        self.shutdowns += 1
-
-    def nvmlDeviceGetCount(self):
-        return self.devices
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return f"h{i}"
-
-    def nvmlDeviceGetUtilizationRates(self, h):
-        self.calls += 1
-        if self.calls >= 4:
-            self.sampled.set()
-        return NS(gpu=75 if h == "h0" else 0, memory=30 if h == "h0" else 0)
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        return NS(used=5 << 30, total=141 << 30)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h):
-        return [NS(pid=100, usedGpuMemory=3 << 30)] if h == "h0" else []
-
-    def nvmlDeviceGetProcessUtilization(self, h, last_seen):
-        if h != "h0":
-            raise RuntimeError("NVML_ERROR_NOT_FOUND")
-        return [NS(pid=100, smUtil=70, memUtil=25, timeStamp=last_seen + 1000)]
 
 
 def test_samples_devices_and_processes():

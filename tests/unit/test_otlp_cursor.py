@@ -122,14 +122,21 @@ def test_a_batch_whose_ack_was_lost_is_sent_again_with_the_same_ids(store):
 
 
 def test_reused_pid_restarting_step_seq_is_still_exported(store):
+    from llmobs.otlp.encoder import SpanIds
+
     fill(store, requests=2, tokens=5, start_ns=1_000_000_000_000, seq_start=1)
     transport = ScriptedTransport()
     OtlpExporter(store.connection.cursor(), config(), transport).run()
     # A new process got the same pid later: step_seq starts at 1 again, CLOCK_MONOTONIC is later.
-    fill(store, requests=1, tokens=3, start_ns=2_000_000_000_000, seq_start=1)
+    steps = fill(store, requests=1, tokens=3, start_ns=2_000_000_000_000, seq_start=1).to_pylist()
     later = ScriptedTransport()
     counters = OtlpExporter(store.connection.cursor(), config(), later).run()
     assert counters.spans_sent == 3 + 1
+    # exactly the new process's spans (its 3 token steps and its request), each once, none of the old
+    expected = {SpanIds.step_span_id(s["pid"], s["trace_id"], s["step_seq"], s["batch_row"]) for s in steps}
+    expected |= {SpanIds.request_span_id(s["pid"], s["trace_id"]) for s in steps}
+    assert sorted(later.acked) == sorted(expected)
+    assert not set(later.acked) & set(transport.acked)
 
 
 def test_late_rows_of_another_pid_are_not_skipped(store):
@@ -266,7 +273,7 @@ def test_trace_sampling_sends_the_kernels_traces_and_metrics_still_count_everyth
 
 
 def test_per_pass_metrics_count_a_pass_once_when_its_rows_straddle_batches(store):
-    from llmobs import correlate
+    from llmobs.pipeline import correlate
 
     fill(store, requests=4, tokens=5, batch_rows=2)  # 10 forward passes of 2 rows
     correlate.correlate(store.connection)

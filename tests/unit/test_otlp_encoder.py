@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pyarrow as pa
 import pytest
-from llmobs import correlate
 from llmobs.otlp.encoder import STEP_SPAN_NAME, SpanIds, TraceEncoder, span_count
 from llmobs.otlp.metrics import LOSS_BOUNDS, MetricsAggregator, kernel_class
 from llmobs.otlp.source import ExportCursor
+from llmobs.pipeline import correlate
 from llmobs.store import synthetic
 from llmobs.store.sink import DuckDBStore
 from opentelemetry.proto.trace.v1.trace_pb2 import Span

@@ -1,4 +1,4 @@
-"""scripts/bench_proto.py runs end to end on a small input and prints the side-by-side figures."""
+"""`python -m bench.proto` runs end to end on a small input and prints the side-by-side figures."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "scripts" / "bench_proto.py"
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = [sys.executable, "-m", "bench.proto"]
 
 
 def test_bench_proto_small_run_prints_sizes_times_ratios_and_reference() -> None:
     result = subprocess.run(
-        [sys.executable, str(BENCH), "--records", "640", "--reps", "2", "--tokens", "64", "--logs", "4"],
+        [*BENCH, "--records", "640", "--reps", "2", "--tokens", "64", "--logs", "4"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
@@ -33,7 +35,8 @@ def test_bench_proto_small_run_prints_sizes_times_ratios_and_reference() -> None
 
 def test_bench_proto_rejects_bad_arguments() -> None:
     result = subprocess.run(
-        [sys.executable, str(BENCH), "--records", "10", "--tokens", "64"],
+        [*BENCH, "--records", "10", "--tokens", "64"],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,

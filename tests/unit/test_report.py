@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from llmobs import plot, report
-from llmobs.correlate import correlate
+from llmobs.pipeline.correlate import correlate
+from llmobs.report import plot
+from llmobs.report import text as report
 from llmobs.store.sink import DuckDBStore
 
 PID = 321

@@ -17,8 +17,8 @@ import duckdb
 import pyarrow as pa
 import pytest
 from llmobs.cli import main
-from llmobs.correlate import correlate
 from llmobs.errors import ExitCode
+from llmobs.pipeline.correlate import correlate
 from llmobs.store import DuckDBStore, synthetic, views
 
 TENANTS = ("acme", "acme-labs", "o'neil%_")

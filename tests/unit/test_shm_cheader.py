@@ -1,4 +1,4 @@
-"""bpf/llmobs_abi.h must be exactly what the layout generates, and C must agree on every offset."""
+"""bpf/c/llmobs_abi.h must be exactly what the layout generates, and C must agree on every offset."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from llmobs.shm import cheader, layout
 
 def test_header_on_disk_is_the_generated_one():
     on_disk = cheader.HEADER_PATH.read_text()
-    assert on_disk == cheader.render(), "bpf/llmobs_abi.h drifted: run `python -m llmobs.shm.cheader --write`"
+    drifted = "bpf/c/llmobs_abi.h drifted: run `python -m llmobs.shm.cheader --write`"
+    assert on_disk == cheader.render(), drifted
     assert cheader.main(["--check"]) == 0
 
 

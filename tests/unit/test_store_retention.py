@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
-from llmobs.correlate import correlate
+from llmobs.pipeline.correlate import correlate
 from llmobs.store import DuckDBStore, schema, synthetic
 from llmobs.store.retention import retain_age, retain_size, store_file_size
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from llmobs import clock
 from llmobs.commands import top
-from llmobs.correlate import correlate
+from llmobs.pipeline.correlate import correlate
 from llmobs.pipeline.live import LiveStats, read_snapshots, snapshot_path, write_snapshot
 from llmobs.shm import layout
 from llmobs.shm.writer import ShmWriter

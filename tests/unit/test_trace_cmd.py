@@ -238,7 +238,7 @@ def test_idle_process_times_out_and_the_command_is_withdrawn(shm):
 
 def test_gpu_ops_rows_keep_api_records_out_of_gpu_time():
     from llmobs.cupti import protocol as p
-    from llmobs.gpu_trace import gpu_ops_rows
+    from llmobs.gpu.records import gpu_ops_rows
 
     recs = np.zeros(3, layout.CUPTI_RECORD.dtype)
     recs["kind"] = [p.KIND_RUNTIME, p.KIND_CONCURRENT_KERNEL, p.KIND_MEMCPY]
@@ -249,3 +249,24 @@ def test_gpu_ops_rows_keep_api_records_out_of_gpu_time():
     assert rows["gpu_start_ns"] == [None, 20, 40] and rows["device_id"] == [None, 0, 0]
     assert rows["external_id"] == [4, 4, None] and rows["trace_id"] == ["ab" * 16, "ab" * 16, ""]
     assert rows["probe"] == ["cupti_runtime", "cupti_kernel", "cupti_memcpy"]
+
+
+def test_cupti_source_hands_the_trace_once_without_steps_the_store_has():
+    from llmobs.dataflow import Source
+    from llmobs.gpu.cupti_source import CuptiSource
+    from llmobs.gpu.records import CuptiCapture
+
+    recs = np.zeros(2, layout.CUPTI_RECORD.dtype)
+    recs["step_seq"], recs["start_ns"], recs["end_ns"] = [4, 5], [10, 20], [15, 30]
+    steps = {"step_seq": np.array([4, 5, 6]), "t_start_ns": np.array([1, 2, 3]), "trace_id": ["ab" * 16] * 3}
+    result = {"pid": 9, "records": recs, "names": {}, "steps": steps, "capture": CuptiCapture()}
+    source = CuptiSource(result, stored_steps={4, 6})
+    assert isinstance(source, Source)
+    batch = source.poll()
+    assert set(batch) == {"gpu_ops", "token_steps"} and len(batch["gpu_ops"]["ts_ns"]) == 2
+    fresh = batch["token_steps"]
+    assert fresh["step_seq"].tolist() == [5] and fresh["trace_id"] == ["ab" * 16]
+    assert source.poll() is None
+    assert source.stats() == {"records": 2, "token_steps": 1, "already_stored": 2}
+    every = CuptiSource(result, stored_steps={4, 5, 6}).poll()
+    assert set(every) == {"gpu_ops"}  # all steps stored already: CUPTI rows only

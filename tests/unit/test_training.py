@@ -1,4 +1,4 @@
-"""Training mode (llmobs.publisher_train, llmobs.diagnostics.training/heatmap): the dL/dE device ring
+"""Training mode (llmobs.publisher.training, llmobs.diagnostics.training/heatmap): the dL/dE device ring
 holds the real gradients of the embeddings' output, wraps at 128 steps and hands back the last 5 in
 order; the dump command answers through the real control block; a training-step spike found by the
 agent's monitor becomes an anomaly row whose heatmap PNG exists and describes 5 panels of tokens x dims.
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -23,15 +22,14 @@ from llmobs.diagnostics.heatmap import png_metadata, render
 from llmobs.diagnostics.training import KIND, StepSpikeDetector, TrainingMonitor, step_means
 from llmobs.pipeline import Pipeline
 from llmobs.pipeline.sources import ShmSource
-from llmobs.publisher_train import GradientRing, TrainingOptions, dump_path, ring_shape
+from llmobs.publisher.training import GradientRing, TrainingOptions, ring_shape
 from llmobs.shm import layout
 from llmobs.shm import writer as writer_module
 from llmobs.shm.control import ControlClient
+from llmobs.shm.names import dump_path
 from llmobs.store.sink import DuckDBStore
+from llmobs.workloads.train import batch_of
 from publisher_fixtures import isolated_writer, tiny_gpt2
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from train_workload import batch_of  # noqa: E402
 
 
 @pytest.fixture
@@ -75,7 +73,7 @@ class Loop:
 
 def test_the_ring_holds_the_real_dl_de_wraps_at_128_and_returns_the_last_5_in_order(shm):
     model = _model()
-    errors_before = llmobs.publisher.errors  # a process-wide counter: other tests may have counted
+    errors_before = llmobs.publisher.request.errors  # a process-wide counter: other tests may have counted
     inst = llmobs.instrument(model, model_id="tiny", training=True)
     loop = Loop(model)
     expected = {}
@@ -97,7 +95,7 @@ def test_the_ring_holds_the_real_dl_de_wraps_at_128_and_returns_the_last_5_in_or
         scale = truth.abs().max().item()
         assert scale > 0
         np.testing.assert_allclose(host[i], truth.numpy(), atol=scale * 1e-2, rtol=1e-2)  # bf16 rounding
-    assert llmobs.publisher.errors == errors_before
+    assert llmobs.publisher.request.errors == errors_before
 
 
 def test_ring_memory_is_capped_and_eval_steps_leave_it_alone(shm):
@@ -138,7 +136,8 @@ def test_the_dump_command_is_answered_at_the_next_step_boundary(shm):
         assert dump["tokens"].tolist() == [16] * 5 and np.abs(dump["grads"]).max() > 0
 
 
-def test_without_training_mode_the_dump_command_says_so(shm):
+def _dump_status(shm) -> int:
+    """The ack status of CMD_DUMP_GRADIENTS posted to this process, running without training mode."""
     model = _model()
     inst = llmobs.instrument(model, model_id="tiny")
     loop = Loop(model)
@@ -148,7 +147,17 @@ def test_without_training_mode_the_dump_command_says_so(shm):
         loop.step()
         ack = client.wait_ack(cmd, timeout=1.0)
     inst.remove()
-    assert ack["ack_status"] in (layout.ACK_UNSUPPORTED, layout.ACK_UNKNOWN_COMMAND)
+    return ack["ack_status"]
+
+
+def test_without_training_mode_the_dump_command_says_so(shm, monkeypatch):
+    # docs/shm-abi.md, the control commands: "training mode off or no slice <= S: ACK_UNSUPPORTED (or
+    # ACK_UNKNOWN_COMMAND in a process that never turned it on)". Which one this process is depends on
+    # the tests before this one (the handler stays registered), so each state is set up and pinned.
+    monkeypatch.setattr(writer_module, "_command_handlers", {})  # a process that never turned it on
+    assert _dump_status(shm) == layout.ACK_UNKNOWN_COMMAND
+    llmobs.instrument(_model(), model_id="tiny", training=True).remove()  # on, then off again
+    assert _dump_status(shm) == layout.ACK_UNSUPPORTED
 
 
 def test_the_step_detector_flags_a_corrupted_batch_and_not_a_falling_loss():

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 
 from llmobs.bpf.profiles import PROBES
 from llmobs.bpf.records import KINDS, trace_runs
+from llmobs.dataflow import SinkResult
 
 EVENT_SCHEMA = pa.schema(
     [
@@ -90,7 +91,9 @@ def aggregates_table(totals: dict[tuple[int, int, int], list[int]]) -> pa.Table:
 
 
 class ParquetEventWriter:
-    """A bounded queue and a thread appending event batches to one Parquet file."""
+    """A bounded queue and a thread appending event batches to one Parquet file (`attach --out`)."""
+
+    name = "parquet"
 
     def __init__(self, path: str | Path, sample_ratio: int, max_batches: int = 256):
         self.path = Path(path)
@@ -138,10 +141,16 @@ class ParquetEventWriter:
             self.error = str(exc)
             self.dropped += rows
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> SinkResult:
         self._queue.put(None)
-        self._thread.join()
-        self._writer.close()
+        self._thread.join(timeout)
+        finished = not self._thread.is_alive()
+        if finished:
+            self._writer.close()
+        return SinkResult(
+            self.name, accepted=self.written, dropped={"queue_full_or_failed": self.dropped},
+            error=self.error, finished=finished,
+        )  # fmt: skip
 
 
 def write_summary(path: Path, summary: dict) -> None:

@@ -3,7 +3,7 @@
 A probe's index in PROBES is its id in the kernel (the `probe` field of events and aggregates), so
 the table only ever grows at the end.
 
-The default set (`cpu,host`) was chosen by measurement (docs/probes.md, scripts/bench_probes.py):
+The default set (`cpu,host`) was chosen by measurement (docs/probes.md, bench/probes.py):
 the GEMM entry (sgemm_) fires 751 times per SmolLM2 token and cost 2.9% tokens/s with one thread even
 as a point probe at sgemm_+4, so it sits in the opt-in `gemm` profile (with --gemm-durations for the
 timed pair), and the default `cpu` profile probes the linear op above it (211 calls per token).

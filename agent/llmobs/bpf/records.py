@@ -1,4 +1,4 @@
-"""The user-space mirror of bpf/llmobs_events.h: record dtypes, kinds, counters, the sample hash.
+"""The user-space mirror of bpf/c/llmobs_events.h: record dtypes, kinds, counters, the sample hash.
 
 numpy decodes ring records in batches with these dtypes (one frombuffer per drain, no Python call
 per event); tests/unit/test_bpf_records.py checks they match the C header.
@@ -48,7 +48,7 @@ _MASK64 = (1 << 64) - 1
 
 
 def mix64(x: int) -> int:
-    """llmobs_mix64 of bpf/llmobs_events.h (splitmix64's finaliser)."""
+    """llmobs_mix64 of bpf/c/llmobs_events.h (splitmix64's finaliser)."""
     x &= _MASK64
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & _MASK64

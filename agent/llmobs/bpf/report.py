@@ -10,6 +10,7 @@ from typing import TextIO
 import numpy as np
 
 from llmobs.bpf.profiles import PROBES
+from llmobs.dataflow import SinkResult
 
 _NAMES = [probe.name for probe in PROBES]
 
@@ -39,7 +40,10 @@ def attached(session, stream: TextIO = sys.stderr) -> None:
 
 
 class StatusLine:
-    """events/s, drops and steps: rewritten in place on a TTY, a plain line every 10 s otherwise."""
+    """events/s, drops and steps: rewritten in place on a TTY, a plain line every 10 s otherwise.
+    A sink of the target's raw events (it counts what was sampled, per probe)."""
+
+    name = "status"
 
     def __init__(self, session, interval: float, stream: TextIO = sys.stderr):
         self.session = session
@@ -52,9 +56,12 @@ class StatusLine:
         self._next = self._last_time + self.interval
         self._printed = False
 
-    def add(self, events: np.ndarray) -> None:
+    def submit(self, events: np.ndarray) -> None:
         if len(events):
             self.sampled_by_probe += np.bincount(events["probe"], minlength=len(PROBES))[: len(PROBES)]
+
+    def close(self, timeout: float | None = None) -> SinkResult:
+        return SinkResult(self.name, accepted=int(self.sampled_by_probe.sum()))
 
     def maybe_print(self) -> None:
         now = time.monotonic()

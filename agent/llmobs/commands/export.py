@@ -42,19 +42,29 @@ def _progress(quiet: bool):
     return report
 
 
+# An output that cannot be written is not a store problem: the hint names the output, not --db.
+OUTPUT_HINT = "give %s a path this user can create and write"
+
+
 def export_parquet(conn: duckdb.DuckDBPyConnection, directory: Path, report) -> dict[str, int]:
     """COPY every table of the schema to DIR/<table>.parquet; returns rows per table."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise StoreError(f"cannot create {directory}: {exc.strerror}") from None
+        raise StoreError(
+            f"cannot create {directory}: {exc.strerror}", hint=OUTPUT_HINT % "--parquet DIR"
+        ) from None
     tables = ["schema_migrations", *schema.TIME_COLUMN]
     present = {r[0] for r in conn.execute("SELECT table_name FROM information_schema.tables").fetchall()}
     rows = {}
     for index, table in enumerate(t for t in tables if t in present):
         target = directory / f"{table}.parquet"
         rows[table] = conn.execute(f"SELECT count(*) FROM {table}").fetchall()[0][0]
-        conn.execute(f"COPY {table} TO '{target}' (FORMAT parquet, COMPRESSION zstd)")
+        try:
+            conn.execute(f"COPY {table} TO '{target}' (FORMAT parquet, COMPRESSION zstd)")
+        except duckdb.IOException as exc:  # the output, not the store: the store was read already
+            first = str(exc).strip().splitlines()[0]
+            raise StoreError(f"cannot write {target}: {first}", hint=OUTPUT_HINT % "--parquet DIR") from None
         report(f"[{index + 1}/{len(present & set(tables))}] {table} -> {target}", rows[table])
     return rows
 
@@ -63,9 +73,9 @@ def run(args: argparse.Namespace) -> int:
     if not args.parquet and not args.perfetto:
         raise StoreError("nothing to export", hint="give --parquet DIR and/or --perfetto FILE")
     if (args.since is not None or args.until is not None) and not args.perfetto:
-        raise StoreError("--since/--until apply to --perfetto only")
+        raise StoreError("--since/--until apply to --perfetto only", hint="add --perfetto FILE, or drop them")
     if args.since is not None and args.until is not None and args.until < args.since:
-        raise StoreError(f"--until {args.until} is before --since {args.since}")
+        raise StoreError(f"--until {args.until} is before --since {args.since}", hint="swap the two times")
     report = _progress(args.quiet)
     with DuckDBStore(args.db or default_db_path(), read_only=True) as store:
         try:
@@ -81,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
                 )
         except duckdb.Error as exc:
             raise StoreError(f"export failed: {str(exc).strip().splitlines()[0]}") from None
-        except OSError as exc:
-            raise StoreError(f"export failed: {exc.strerror}: {exc.filename}") from None
+        except OSError as exc:  # writing the trace file (the Parquet side says so itself)
+            raise StoreError(
+                f"export failed: {exc.strerror}: {exc.filename}", hint=OUTPUT_HINT % "--perfetto FILE"
+            ) from None
     return 0

@@ -11,29 +11,17 @@ attach, detach, skip and reload.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from llmobs.errors import AccessDenied
+from llmobs.rerun import as_root_hint
+from llmobs.settings import add_flags, run_flags
 
 CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
 
-# flag dest -> config key (the flags override these keys; docs/daemon.md lists them)
-FLAG_KEYS = {
-    "db": "store.path",
-    "retention_age": "store.retention_age",
-    "profile": "probes.profiles",
-    "sample": "probes.sample_n",
-    "sample_mode": "probes.sample_mode",
-    "user": "select.users",
-    "cgroup": "select.cgroup",
-    "select_command": "select.command",  # not `command`: the CLI's subcommand dest
-    "interval": "discovery.interval_s",
-    "overhead_budget": "overhead.budget",
-    "cost_scale": "overhead.cost_scale",
-    "run_dir": "daemon.run_dir",
-    "otlp": "otlp.endpoint",
-    "otlp_protocol": "otlp.protocol",
-}
+# every flag but --config/--check-config sets one config key; generated from the settings table
+FLAGS = run_flags()
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -45,37 +33,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="validate and print the effective config with origins, exit",
     )
-    parser.add_argument("--db", metavar="PATH", help="the DuckDB store (store.path)")
-    parser.add_argument(
-        "--retention-age", metavar="AGE", help="delete rows older than AGE, e.g. 7d (0: keep)"
-    )
-    parser.add_argument("--profile", metavar="LIST", help="probe profiles, e.g. cpu,host (probes.profiles)")
-    parser.add_argument("--sample", metavar="N", help="export 1 in N events (probes.sample_n)")
-    parser.add_argument("--sample-mode", metavar="MODE", help="trace or cpu (probes.sample_mode)")
-    parser.add_argument("--user", metavar="LIST", help="only processes of these users/uids (select.users)")
-    parser.add_argument(
-        "--cgroup", metavar="GLOB", help="only processes in a matching cgroup (select.cgroup)"
-    )
-    parser.add_argument(
-        "--command",
-        dest="select_command",
-        metavar="REGEX",
-        help="only matching command lines (select.command)",
-    )
-    parser.add_argument("--interval", metavar="S", help="scan /proc every S seconds (discovery.interval_s)")
-    parser.add_argument(
-        "--overhead-budget", metavar="F", help="max estimated slowdown, e.g. 0.01 (overhead.budget)"
-    )
-    parser.add_argument(
-        "--cost-scale", metavar="X", help="multiply the calibrated probe costs by X (overhead.cost_scale)"
-    )
-    parser.add_argument("--run-dir", metavar="DIR", help="live snapshots and status file (daemon.run_dir)")
-    parser.add_argument("--otlp", metavar="ENDPOINT", help="export over OTLP to ENDPOINT (otlp.endpoint)")
-    parser.add_argument("--otlp-protocol", metavar="P", help="grpc or http/protobuf (otlp.protocol)")
+    add_flags(parser, FLAGS)
 
 
 def flags_of(args: argparse.Namespace) -> dict[str, object]:
-    return {key: getattr(args, dest, None) for dest, key in FLAG_KEYS.items()}
+    return {flag.key: getattr(args, flag.attr, None) for flag in FLAGS}
 
 
 def _require_capabilities() -> None:
@@ -86,9 +48,11 @@ def _require_capabilities() -> None:
     caps = ProcFS().effective_caps("self")
     if caps & (1 << CAP_SYS_ADMIN) or (caps & (1 << CAP_BPF) and caps & (1 << CAP_PERFMON)):
         return
+    hint = "run it as the systemd service (systemd/README.md) or with sudo"  # root without capabilities
+    if os.geteuid() != 0:  # a user: the exact command to type again as root
+        hint = f"run it as the systemd service (systemd/README.md), or {as_root_hint()}"
     raise AccessDenied(
-        "`llmobs-agent run` needs root, or the capabilities systemd/llmobs-agent.service grants",
-        hint="run it as the systemd service (systemd/README.md) or with sudo",
+        "`llmobs-agent run` needs root, or the capabilities systemd/llmobs-agent.service grants", hint=hint
     )
 
 

@@ -1,7 +1,9 @@
 """`llmobs-agent top`: a live terminal view of attached processes.
 
 Per process: tokens, tokens/s and per-token latency p50/p99 over the last 10 s, mean loss, the work of
-a token step (allocations, launches, linear/GEMM calls, off-CPU ms) and drops. Where the numbers come from:
+a token step (allocations, launches, linear/GEMM calls, off-CPU ms), drops, and the process's GPU
+utilisation and device memory (NVML's gpu_samples; "-" for a process without a GPU). Where the
+numbers come from:
 
 - a process some `attach` is attached to: the snapshot that agent rewrites once a second under
   $LLMOBS_RUN_DIR (default /run/llmobs): exact kernel totals and every drop counter;
@@ -32,7 +34,8 @@ from llmobs.shm import layout
 from llmobs.store import default_db_path
 
 COLUMNS = ("PID", "MODEL", "TENANTS", "TOKENS", "TOK/S", "P50 ms", "P99 ms", "LOSS", "ALLOC/STEP",
-           "LAUNCH/STEP", "COMPUTE/STEP", "OFFCPU ms/STEP", "DROPS", "SOURCE")  # fmt: skip
+           "LAUNCH/STEP", "COMPUTE/STEP", "OFFCPU ms/STEP", "DROPS", "GPU %", "GPU MiB",
+           "SOURCE")  # fmt: skip
 _CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -49,7 +52,7 @@ class MapWatcher:
     """A process's map read directly: its token steps folded into LiveStats as they appear."""
 
     def __init__(self, pid: int, shm_dir: str = layout.SHM_DIR):
-        self.source = ShmSource(pid, shm_dir=shm_dir)
+        self.source = ShmSource(pid, shm_dir=shm_dir, advertise=False)  # a viewer: stores nothing
         self.live = LiveStats(pid)
 
     def row(self) -> dict | None:
@@ -95,11 +98,22 @@ work AS (
     SELECT r.pid, avg(allocations) AS alloc, avg(launches) AS launch, avg(compute_calls) AS compute,
         avg(off_cpu_ns) AS offcpu
     FROM step_rollups r JOIN steps s ON r.pid = s.pid AND r.t_start_ns >= s.since GROUP BY r.pid
-)
+),
+{gpu}
 SELECT s.pid, s.model_id, s.tenants, l.tokens, s.tokens_per_s, s.p50_ms, s.p99_ms, s.mean_loss,
-    w.alloc, w.launch, w.compute, w.offcpu
-FROM steps s JOIN last l USING (pid) LEFT JOIN work w USING (pid) ORDER BY s.pid
+    w.alloc, w.launch, w.compute, w.offcpu, g.gpu_util, g.gpu_mem
+FROM steps s JOIN last l USING (pid) LEFT JOIN work w USING (pid) LEFT JOIN gpu g USING (pid) ORDER BY s.pid
 """
+# NVML samples of the same 10 s: SM utilisation averaged, each GPU's newest process memory summed
+_STORE_GPU = """
+gpu_each AS (
+    SELECT g.pid, g.gpu_index, avg(g.sm_util) AS util, arg_max(g.mem_used, g.ts_ns) AS mem
+    FROM gpu_samples g JOIN last l ON g.pid = l.pid AND g.ts_ns >= l.t - $window GROUP BY ALL
+),
+gpu AS (SELECT pid, avg(util) AS gpu_util, sum(mem) AS gpu_mem FROM gpu_each GROUP BY pid)
+"""
+# a store older than the gpu_samples table (schema 6), opened read-only: no GPU numbers
+_STORE_NO_GPU = "gpu AS (SELECT NULL::INTEGER AS pid, NULL::DOUBLE AS gpu_util, NULL::BIGINT AS gpu_mem)"
 
 
 def store_rows(path: Path) -> list[dict]:
@@ -107,16 +121,21 @@ def store_rows(path: Path) -> list[dict]:
     from llmobs.store.sink import DuckDBStore
 
     with DuckDBStore(path, read_only=True) as store:
-        result = store.connection.execute(_STORE_SQL, {"window": int(WINDOW_S * 1e9)}).fetchall()
+        conn = store.connection
+        has_gpu = conn.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'gpu_samples'"
+        ).fetchall()[0][0]
+        sql = _STORE_SQL.format(gpu=_STORE_GPU if has_gpu else _STORE_NO_GPU)
+        result = conn.execute(sql, {"window": int(WINDOW_S * 1e9)}).fetchall()
     rows = []
-    for pid, model, tenants, tokens, rate, p50, p99, loss, alloc, launch, compute, offcpu in result:
+    for pid, model, tenants, tokens, rate, p50, p99, loss, alloc, launch, compute, offcpu, gpu, mem in result:
         per_step = (
             {} if alloc is None else {"alloc": alloc, "launch": launch, "compute": compute, "offcpu": offcpu}
         )
         rows.append({
             "pid": pid, "model_id": model, "tenants": (tenants or "").split(","), "tokens": tokens,
             "tokens_per_s": rate, "p50_ms": p50, "p99_ms": p99, "mean_loss": loss, "per_step": per_step,
-            "drops": None, "source": "store (newest 10 s)",
+            "drops": None, "gpu_util_pct": gpu, "gpu_mem_bytes": mem, "source": "store (newest 10 s)",
         })  # fmt: skip
     return rows
 
@@ -132,16 +151,18 @@ def render(rows: list[dict]) -> str:
         work = row.get("per_step") or {}
         offcpu = work.get("offcpu")
         offcpu_ms = None if offcpu is None else offcpu / 1e6
+        gpu_mem = row.get("gpu_mem_bytes")
+        gpu_mib = None if gpu_mem is None else gpu_mem / 2**20
         cells.append((
             str(row["pid"]), (row.get("model_id") or "-")[:24], ",".join(row.get("tenants") or []) or "-",
             _fmt(row.get("tokens"), ","), _fmt(row.get("tokens_per_s"), ".1f"),
             _fmt(row.get("p50_ms"), ".2f"), _fmt(row.get("p99_ms"), ".2f"), _fmt(row.get("mean_loss"), ".3f"),
             _fmt(work.get("alloc"), ",.1f"), _fmt(work.get("launch"), ",.1f"),
             _fmt(work.get("compute"), ",.1f"), _fmt(offcpu_ms, ".2f"), _fmt(row.get("drops"), ","),
-            row["source"],
+            _fmt(row.get("gpu_util_pct"), ".0f"), _fmt(gpu_mib, ",.0f"), row["source"],
         ))  # fmt: skip
     widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
-    left = {1, 2, 13}
+    left = {1, 2, len(COLUMNS) - 1}
     lines = []
     for line in cells:
         padded = (c.ljust(widths[i]) if i in left else c.rjust(widths[i]) for i, c in enumerate(line))

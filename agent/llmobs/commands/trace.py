@@ -2,8 +2,10 @@
 
 Asks the process's in-process collector through the map's control block (CMD_COLLECT_CUPTI), waits
 (bounded, with progress on stderr) while it collects, reads the records from the map's CUPTI ring,
-and reports kernels and GPU time per token step and the top kernels. With --db the records land in
-the store's gpu_ops table joined to their token steps, and the steps' rollups get their GPU time.
+and reports kernels and GPU time per token step and the top kernels (the protocol is
+llmobs.gpu.tracer). With --db the records land in the store's gpu_ops table joined to their token
+steps, through the same Pipeline as `attach` (a CuptiSource batch), and the steps' rollups get their
+GPU time.
 
 A process without a GPU, without CUDA in its torch, or not instrumented gets one line saying exactly
 that and a distinct exit code (NoGpu 10, NotTracked 7, NoSuchProcess 3, GpuBusy 12, NoResponse 13).
@@ -13,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 
-from llmobs.errors import GpuBusy, MissingLibrary, NoGpu, NoResponse, NotTracked
+from llmobs.errors import NoResponse, StoreError, UsageError
+from llmobs.gpu.tracer import Tracer, check_gpu
+from llmobs.pipeline.sources import ShmSource
 from llmobs.shm import layout
-
-POLL_S = 0.01  # ring poll period while collecting: the ring must be read faster than it wraps
-PROGRESS_S = 1.0
-STEPS_GRACE_S = 2.0  # after MARK_END, how long to wait for the last token steps to be committed
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -44,11 +42,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.steps < 1:
-        print("error: --steps must be >= 1", file=sys.stderr)
-        return 2
+        raise UsageError(f"--steps must be >= 1, not {args.steps}", hint="see `llmobs-agent trace --help`")
     if args.timeout <= 0:
-        print("error: --timeout must be > 0", file=sys.stderr)
-        return 2
+        raise UsageError(f"--timeout must be > 0, not {args.timeout}", hint="see `llmobs-agent trace --help`")
     from llmobs.shm.reader import ShmReader
 
     with ShmReader(args.pid, shm_dir=args.shm_dir, proc_root=args.proc_root) as view:
@@ -60,183 +56,12 @@ def run(args: argparse.Namespace) -> int:
     if args.db:
         store(args.db, result)
         print(f"stored {len(result['records'])} CUPTI records in {args.db}")
-    if result["end"] is None:
+    if result["capture"].end is None:
         raise NoResponse(
             f"process {args.pid} did not finish flushing its CUPTI records within {args.timeout:g} s "
             f"(the report above is partial)"
         )
     return 0
-
-
-def check_gpu(pid: int, proc_root: str = "/proc", dev_root: str = "/dev") -> None:
-    """NoGpu, saying exactly why, unless the process has the CUDA driver (libcuda.so) loaded."""
-    from llmobs.procfs import ProcFS
-
-    libs = {os.path.basename(m.path) for m in ProcFS(proc_root).maps(pid)}
-    if any(lib.startswith("libcuda.so") for lib in libs):
-        return
-    device = os.path.join(dev_root, "nvidia0")
-    if not os.path.exists(device):
-        raise NoGpu(
-            f"cannot trace process {pid}: this host has no NVIDIA GPU ({device} is absent) and the process "
-            f"has not loaded the CUDA driver (no libcuda.so in {proc_root}/{pid}/maps)"
-        )
-    if any(lib.startswith(("libtorch_cuda", "libc10_cuda")) for lib in libs):
-        raise NoGpu(
-            f"cannot trace process {pid}: its torch has CUDA but it has not initialised it "
-            f"(libtorch_cuda is loaded, libcuda.so is not): it has run nothing on the GPU"
-        )
-    raise NoGpu(
-        f"cannot trace process {pid}: it runs no CUDA (its torch is CPU-only: neither libtorch_cuda "
-        f"nor libcuda.so is in {proc_root}/{pid}/maps)"
-    )
-
-
-class Tracer:
-    """One trace: post the command, wait for the acknowledgement, read the ring until MARK_END."""
-
-    def __init__(self, view, args, out=sys.stderr):
-        self.view = view
-        self.args = args
-        self.out = out
-        self.pid = args.pid
-
-    def say(self, line: str) -> None:
-        if not self.args.quiet:
-            print(f"trace: {line}", file=self.out, flush=True)
-
-    def trace(self) -> dict:
-        from llmobs.gpu_trace import CuptiCapture, summarize
-        from llmobs.shm.control import ControlClient
-
-        args = self.args
-        deadline = time.monotonic() + args.timeout
-        header = self.view.refresh()
-        cupti_cursor, steps_cursor = header["cupti_head"], header["steps_head"]
-        capture = CuptiCapture()
-        with ControlClient(self.pid, args.shm_dir) as control:
-            seq = control.post(layout.CMD_COLLECT_CUPTI, args.steps)
-            self.say(f"asked process {self.pid} for CUPTI activity of {args.steps} token steps")
-            ack = self._wait_ack(control, seq, deadline)
-            cupti_cursor = self._read(capture, cupti_cursor)
-            self._check_ack(ack, capture)
-            first = ack["ack_step_seq"]
-            self.say(f"collecting from step {first}")
-            cupti_cursor = self._collect(capture, cupti_cursor, first, deadline)
-        last = capture.end.last_step if capture.end else max(first, self._current_step() - 1)
-        steps = self._read_steps(steps_cursor, first, last, deadline)
-        records = capture.array()
-        self.view.read_names()
-        names = dict(self.view.names)
-        summary = summarize(records, names, steps, top=args.top)
-        return {
-            "pid": self.pid, "first_step": first, "last_step": last, "records": records, "names": names,
-            "steps": steps, "summary": summary, "capture": capture,
-        }  # fmt: skip
-
-    # --- steps of the protocol -------------------------------------------------------------------
-    def _wait_ack(self, control, seq: int, deadline: float) -> dict:
-        next_progress = time.monotonic() + PROGRESS_S
-        while True:
-            ack = control.wait_ack(seq, timeout=min(PROGRESS_S, max(0.0, deadline - time.monotonic())))
-            if ack is not None:
-                return ack
-            now = time.monotonic()
-            if now >= deadline:
-                control.post(layout.CMD_NONE)  # withdraw: a later step must not start a collection
-                idle = self._idle_s()
-                raise NoResponse(
-                    f"process {self.pid} did not start a token step within {self.args.timeout:g} s"
-                    + (f" (its last step started {idle:.1f} s ago)" if idle is not None else " (no step yet)")
-                )
-            if now >= next_progress:
-                idle = self._idle_s()
-                self.say(
-                    f"waiting for process {self.pid} to start a token step"
-                    + (f" (last one {idle:.1f} s ago)" if idle is not None else "")
-                )
-                next_progress = now + PROGRESS_S
-
-    def _check_ack(self, ack: dict, capture) -> None:
-        status = ack["ack_status"]
-        if status == layout.ACK_OK:
-            return
-        reason = ""
-        if capture.statuses:
-            self.view.read_names()
-            reason = self.view.name(capture.statuses[-1][2])
-        pid = self.pid
-        if status == layout.ACK_NO_GPU:
-            raise NoGpu(
-                f"process {pid} has no usable GPU: " + (reason or "torch.cuda.is_available() is False")
-            )
-        if status == layout.ACK_BUSY:
-            raise GpuBusy(f"process {pid} cannot collect CUPTI now: " + (reason or "CUPTI is busy"))
-        if status == layout.ACK_UNSUPPORTED:
-            raise MissingLibrary(
-                f"process {pid} has CUDA but no CUPTI collector: "
-                + (reason or "llmobs.cupti is not installed in it (instrument() registers it)"),
-                hint="pip install cupti-python where the workload runs, and call llmobs.instrument(model)",
-            )
-        raise NotTracked(
-            f"process {pid} does not know the COLLECT_CUPTI command (acknowledged with status {status})",
-            hint="the workload's llmobs is older than this agent; upgrade it",
-        )
-
-    def _read(self, capture, cursor: int) -> int:
-        self.view.refresh()
-        got = self.view.read_cupti(cursor)
-        capture.add(got)
-        return got.next_cursor
-
-    def _collect(self, capture, cursor: int, first: int, deadline: float) -> int:
-        next_progress = time.monotonic() + PROGRESS_S
-        while capture.end is None and time.monotonic() < deadline:
-            cursor = self._read(capture, cursor)
-            if capture.end is not None:
-                break
-            now = time.monotonic()
-            if now >= next_progress:
-                done = min(self.args.steps, max(0, self._current_step() - first))
-                self.say(f"step {done}/{self.args.steps}, {len(capture.records)} records")
-                next_progress = now + PROGRESS_S
-            time.sleep(POLL_S)
-        if capture.end is not None:
-            e = capture.end
-            self.say(f"collected steps {e.first_step}..{e.last_step}: {e.written} records")
-        return cursor
-
-    def _read_steps(self, cursor: int, first: int, last: int, deadline: float) -> dict:
-        from llmobs.gpu_trace import steps_in
-
-        grace = min(deadline, time.monotonic() + STEPS_GRACE_S)
-        columns: dict | None = None
-        while True:
-            batch = self.view.read_steps(cursor)
-            part = steps_in(batch.columns, first, last)
-            columns = part if columns is None else _concat(columns, part)
-            cursor = batch.next_cursor
-            have = set(columns["step_seq"].tolist())
-            if all(s in have for s in range(first, last + 1)) or time.monotonic() >= grace:
-                return columns
-            time.sleep(POLL_S)
-
-    def _current_step(self) -> int:
-        ctx = self.view.context()
-        return ctx["step_seq"] if ctx else 0
-
-    def _idle_s(self) -> float | None:
-        from llmobs import clock
-
-        beat = self.view.refresh()["heartbeat_ns"]
-        return (clock.monotonic_ns() - beat) / 1e9 if beat else None
-
-
-def _concat(a: dict, b: dict) -> dict:
-    import numpy as np
-
-    return {k: (np.concatenate([a[k], b[k]]) if isinstance(a[k], np.ndarray) else list(a[k]) + list(b[k]))
-            for k in a}  # fmt: skip
 
 
 # --- output ----------------------------------------------------------------------------------------
@@ -301,41 +126,38 @@ def write_json(path: str, result: dict) -> None:
 
 
 def store(db: str, result: dict) -> None:
-    """Append the token steps (those not in the store yet), the CUPTI records and the clock fit; then
-    recompute the steps' rollups so they carry their GPU time."""
-    import numpy as np
+    """Store a trace through the pipeline: the CUPTI records and the token steps the store does not
+    hold yet go to the store writer as one CuptiSource batch, and the pipeline's close commits them and
+    re-rolls the steps so their rollups carry their GPU time. The clock fit is recorded first."""
+    from llmobs.gpu.cupti_source import CuptiSource, clock_fit, stored_step_seqs
+    from llmobs.pipeline import Pipeline
+    from llmobs.store.sink import DuckDBStore, agent_memory_limit
 
-    from llmobs import clock
-    from llmobs.correlate import correlate
-    from llmobs.gpu_trace import gpu_ops_rows
-    from llmobs.store import DuckDBStore
-
-    pid, steps = result["pid"], result["steps"]
-    with DuckDBStore(db) as st:
-        seqs = steps["step_seq"]
-        if len(seqs):
-            have = {
-                r[0]
-                for r in st.connection.execute(
-                    "SELECT DISTINCT step_seq FROM token_steps WHERE pid = ? AND step_seq BETWEEN ? AND ?",
-                    [pid, int(seqs.min()), int(seqs.max())],
-                ).fetchall()
-            }
-            keep = ~np.isin(seqs, list(have)) if have else np.ones(len(seqs), bool)
-            idx = np.flatnonzero(keep)
-            new_steps = {k: (v[keep] if isinstance(v, np.ndarray) else [v[i] for i in idx])
-                         for k, v in steps.items()}  # fmt: skip
-        else:
-            new_steps = steps
-        batch = {"gpu_ops": gpu_ops_rows(pid, result["records"], result["names"], steps)}
-        if len(new_steps["step_seq"]):
-            batch["token_steps"] = new_steps
-        st.append(batch)
-        cap = result["capture"]
-        if cap.clock is not None:
-            c = cap.clock
-            fit = clock.ClockFit(c.ref_mono_ns, c.offset_ns, c.drift_ppm, c.residual_ns, c.max_residual_ns,
-                                 c.samples)  # fmt: skip
+    pid = result["pid"]
+    st = DuckDBStore(db, memory_limit=agent_memory_limit())
+    try:
+        fit = clock_fit(result)
+        if fit is not None:
             st.record_clock_fit("cupti", fit, pid=pid)
-        since = int(steps["t_start_ns"].min()) if len(steps["t_start_ns"]) else 0
-        correlate(st.connection, since_ns=since, pid=pid)
+        source = CuptiSource(result, stored_step_seqs(st.connection, pid, result["steps"]))
+    except BaseException:
+        st.close()
+        raise
+    pipeline = Pipeline(st, pid, snapshot=False, owns_store=True, shm=_TracedStepsOnly(pid), detector=None)
+    while (batch := source.poll()) is not None:
+        pipeline.add_batch(batch)
+    summary = pipeline.close()
+    failed = summary.failed_rows + summary.dropped_rows
+    if failed or summary.store_error:
+        raise StoreError(
+            f"the trace was not stored whole in {db}: {failed:,} rows not committed"
+            + (f" ({summary.store_error})" if summary.store_error else "")
+        )
+
+
+class _TracedStepsOnly(ShmSource):
+    """The pipeline's map source, kept shut: a trace stores the token steps of the range it collected
+    (its CuptiSource's), not everything the map's ring still holds."""
+
+    def _open(self) -> bool:
+        return False

@@ -51,6 +51,11 @@ class Selectors:
         ]
         return "; ".join(p for p in parts if p) or "every process"
 
+    def accepts_exited_uid(self, uid: int) -> bool:
+        """Whether a process that is gone, known only by its map's owner, would have been selected: its
+        command line and cgroup went with it, so with those selectors set its map is never ingested."""
+        return not self.cgroup and not self.command and (not self.users or uid in self.users)
+
 
 @dataclass(frozen=True)
 class Proc:

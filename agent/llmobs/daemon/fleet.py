@@ -5,53 +5,29 @@ program holds its own maps (a 16 MiB ring, a 64 k-entry aggregates hash). The pr
 by pid slot, its aggregates by (pid, probe, step), and every event carries its pid, so one program can
 serve many processes: uprobes are attached per pid (a uprobe is per file offset and process), the
 tracepoints of the host profile once for the whole fleet (a tracepoint sees every process; the program
-ignores pids that are not targets). The fleet drains the ring once per tick and hands each target's
-pipeline its own events; each target's AttachSession (Options.shared) owns only its uprobes and its
-pid's totals. Each target has its own Pipeline (map reader, store writer thread, correlator) on the
-one shared DuckDBStore, whose appends are serialised by the store's lock; correlators use cursors.
+ignores pids that are not targets). The runtime (llmobs.runtime.Agent) drains the fleet's ring once per
+tick and hands each target's pipeline its own events; each target's AttachSession (Options.shared) owns
+only its uprobes and its pid's totals. Each target has its own Pipeline (map reader, store writer
+thread, correlator) on the one shared DuckDBStore, whose appends are serialised by the store's lock;
+correlators use cursors. The fleet itself only builds: the program, its tracepoints, each target.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-
-import numpy as np
 
 from llmobs.bpf.profiles import Probe, probes_of
 from llmobs.bpf.program import Attached, ProbeProgram
-from llmobs.bpf.records import EVENT_DTYPE
+from llmobs.bpf.records import RING_RECORD_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
 from llmobs.bpf.session import AttachSession, Options, tracepoint_available
 from llmobs.daemon.discovery import Proc
 from llmobs.errors import MissingLibrary, NoSuchProcess
 from llmobs.pipeline import Pipeline
-from llmobs.pipeline.core import PipelineSummary
 from llmobs.pipeline.live import snapshot_path
-
-_NO_EVENTS = np.empty(0, dtype=EVENT_DTYPE)
-
-
-@dataclass
-class Target:
-    proc: Proc
-    session: AttachSession
-    pipeline: Pipeline
-    attached_at: float = field(default_factory=time.monotonic)
-    events: int = 0  # sampled events routed to it
-
-
-@dataclass
-class Detached:
-    """What removing a target left: its final totals and the pipeline's summary."""
-
-    target: Target
-    final: dict
-    summary: PipelineSummary | None
-    reason: str
 
 
 class Fleet:
@@ -65,8 +41,6 @@ class Fleet:
         self.global_probes: list[Probe] = []  # the tracepoints, attached once
         self.skipped: dict[str, str] = {}  # probe -> why the fleet could not offer it
         self._global = Attached()
-        self.targets: dict[int, Target] = {}
-        self.unrouted = 0  # events of a pid that is no longer a target (sampled just before detach)
 
     # ---- program ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -106,8 +80,13 @@ class Fleet:
                         ids[name.decode() if isinstance(name, bytes) else name] = int(line.split()[1])
         return ids
 
+    @property
+    def ring_records(self) -> int:
+        """How many events the shared ring holds when full."""
+        return self.program.ring_bytes // RING_RECORD_DTYPE.itemsize if self.program else 0
+
     # ---- targets ----------------------------------------------------------------------------------
-    def add(self, proc: Proc) -> Target:
+    def open_target(self, proc: Proc) -> tuple[AttachSession, Pipeline]:
         """Attaches proc's uprobes on the shared program and opens its pipeline. Raises the session's
         typed errors (NotTracked, NothingAttached, NoSuchProcess, ...) with nothing left attached."""
         session = AttachSession(proc.pid, self.options, program=self.program)
@@ -126,54 +105,7 @@ class Fleet:
             session.close()
             raise
         session.attached_probes.extend(p for p in self.global_probes if p not in session.attached_probes)
-        target = Target(proc, session, pipeline)
-        self.targets[proc.pid] = target
-        return target
-
-    def poll(self) -> int:
-        """Drains the ring once, hands every target its events and its map's token steps; returns the
-        number of events drained."""
-        events = self.ring.drain() if self.ring else _NO_EVENTS
-        routed = self._route(events)
-        for pid, target in self.targets.items():
-            mine = routed.get(pid, _NO_EVENTS)
-            target.events += len(mine)
-            target.session.poll(mine)
-            target.pipeline.poll(mine)
-        return len(events)
-
-    def _route(self, events: np.ndarray) -> dict[int, np.ndarray]:
-        if not len(events):
-            return {}
-        pids = events["pid"]
-        routed = {}
-        for pid in self.targets:
-            mask = pids == pid
-            if mask.any():
-                routed[pid] = events[mask]
-        self.unrouted += len(events) - sum(len(v) for v in routed.values())
-        return routed
-
-    def remove(self, pid: int, reason: str) -> Detached:
-        """Detaches pid's uprobes, hands its pipeline the last events and the exact final totals,
-        commits and correlates its data. The other targets keep running."""
-        target = self.targets[pid]
-        _, final = target.session.close()  # detach first: nothing of pid enters the ring after this
-        events = self.ring.drain() if self.ring else _NO_EVENTS
-        routed = self._route(events)
-        for other_pid, other in self.targets.items():
-            if other_pid != pid and other_pid in routed:
-                other.events += len(routed[other_pid])
-                other.pipeline.poll(routed[other_pid])
-        del self.targets[pid]
-        mine = routed.get(pid, _NO_EVENTS)
-        target.events += len(mine)
-        summary = None
-        try:
-            summary = target.pipeline.close(mine, final)
-        except Exception as exc:  # one pipeline's failure must not take the daemon down
-            final.setdefault("problems", []).append(f"pipeline close: {exc}")
-        return Detached(target, final, summary, reason)
+        return session, pipeline
 
     def counters(self) -> dict[str, int]:
         """The program-wide kernel counters (ring drops, aggregate overflow, ...) and ours."""
@@ -181,15 +113,11 @@ class Fleet:
 
         raw = self.program.counters() if self.program else {}
         named = {name: raw.get(i, 0) for i, name in enumerate(COUNTERS)}
-        named["unrouted"] = self.unrouted
         named["ring_records"] = self.ring.records if self.ring else 0
         return named
 
-    def close(self, reason: str = "agent stopping") -> list[Detached]:
-        """Removes every target, detaches the tracepoints, unloads the program."""
-        detached = []
-        for pid in list(self.targets):
-            detached.append(self.remove(pid, reason))
+    def close(self) -> None:
+        """Detaches the tracepoints and unloads the program (the runtime removed the targets first)."""
         if self.program is not None:
             problems = self.program.detach(self._global)
             for problem in problems:
@@ -200,4 +128,3 @@ class Fleet:
         if self.program is not None:
             self.program.close()
             self.program = None
-        return detached

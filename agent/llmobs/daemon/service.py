@@ -1,8 +1,9 @@
 """The daemon's main loop: discover, attach and detach, drain, export, keep the store, answer signals.
 
-One thread does it all, in ticks: the fleet's ring is drained every 20 ms while events flow (100 ms
-when quiet, as `attach` does); /proc is scanned every discovery interval; targets are checked for exit,
-the governor ticks and the status file is rewritten once a second; retention runs every 10 minutes.
+One thread does it all, in the runtime's loop (llmobs.runtime.Agent, the same as `attach`'s): the
+fleet's ring is drained every 20 ms while events flow (50 ms when quiet); targets are checked for exit
+and the governor ticks once a second. The daemon adds its own tasks to that loop: /proc is scanned
+every discovery interval, the status file is rewritten once a second, retention runs every 10 minutes.
 Signals only set flags and wake the loop through a self-pipe (signal.set_wakeup_fd), so a handler never
 runs in the middle of a drain: SIGHUP reloads the config (a bad new config is logged and the old one
 kept), SIGTERM/SIGINT drain (final harvest of every target, commit, correlate, OTLP finish) and exit 0.
@@ -24,19 +25,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from llmobs import clock
-from llmobs.bpf.records import RING_RECORD_DTYPE
 from llmobs.bpf.session import Options, context_cell_refusal, require_privileges
 from llmobs.daemon.config import SETTINGS, DaemonConfig
 from llmobs.daemon.discovery import Proc, ProcWatcher, Selectors
-from llmobs.daemon.fleet import Detached, Fleet, Target
+from llmobs.daemon.fleet import Fleet
 from llmobs.daemon.notify import Notifier
 from llmobs.errors import AccessDenied, LlmobsError, MissingLibrary
 from llmobs.logtext import one_line
 from llmobs.pipeline.live import remove_snapshot, write_snapshot
 from llmobs.procfs import ProcFS
+from llmobs.runtime import Agent, Detached, Target, Task
+from llmobs.shm.presence import ReaderPresence
 
-DRAIN_PERIOD_S = (0.02, 0.05)  # as `attach`: 20 ms while events flow, 50 ms when quiet (anomaly latency)
-SLOW_TICK_S = 1.0  # target exits, governor, status file
+STATUS_EVERY_S = 1.0  # the status file and systemd's STATUS= line
 RETENTION_EVERY_S = 600.0
 STATUS_FILE = "daemon.json"
 # probes.* keys change what the program is compiled with or how rows are weighted: the fleet is rebuilt
@@ -67,16 +68,14 @@ class Service:
         self.started_ns = clock.monotonic_ns()
         self.store = None
         self.fleet: Fleet | None = None
+        self.agent: Agent | None = None  # the runtime: drain, governor, telemetry, targets, exporter
         self.exporter = None
-        self.governor = None
-        self.telemetry = None
         self.watcher: ProcWatcher | None = None
         self.reloads = 0
         self.reload_errors = 0
         self.last_reload_error: str | None = None
         self.detached_total = 0
-        self.hook_errors: dict[str, str] = {}
-        self.last_sample: dict | None = None  # the self-telemetry's last reading
+        self.hook_errors: dict[str, str] = {}  # the daemon's own bookkeeping failures (the status file)
         self._flags = {"stop": None, "reload": False}
         self._logged_refusals: set[tuple[int, int]] = set()
         self._wake_r = self._wake_w = -1
@@ -109,12 +108,9 @@ class Service:
             from llmobs.otlp import start_exporter
 
             self.exporter = start_exporter(self.store, config.otlp)
-        self.governor, self.telemetry = self._overhead_hooks(config.overhead_budget)
-
-    @property
-    def _busy_events(self) -> int:
-        """A drain of 1% of the ring or more: events flow fast, drain again after the short period."""
-        return max(self.fleet.program.ring_bytes // RING_RECORD_DTYPE.itemsize // 100, 1)
+        self.agent = new_agent(config, self.fleet, self.store, self.exporter, self.log, self._on_detach)
+        # from now on a workload that exits with unread steps leaves its map for the next sweep
+        self.agent.presence = ReaderPresence.announce()
 
     def _new_fleet(self, config: DaemonConfig) -> Fleet:
         options = Options(
@@ -132,84 +128,6 @@ class Service:
         skipped = "".join(f"; {name} unavailable: {why}" for name, why in fleet.skipped.items())
         self.log(f"program loaded: profiles {','.join(config.profiles)}: {', '.join(offered)}{skipped}")
         return fleet
-
-    def _overhead_hooks(self, budget: float):
-        """The overhead governor (it logs its own decisions through self.log) and the self-telemetry of
-        llmobs.governor; a build without them runs without, and says so once."""
-        try:
-            from llmobs.governor import SelfTelemetry
-        except ImportError as exc:
-            self.hook_errors["governor"] = f"llmobs.governor is not available in this build ({exc})"
-            self.log(f"governor: {self.hook_errors['governor']}; running without it")
-            return None, None
-        governor = telemetry = None
-        try:
-            governor = self._new_governor(budget)
-        except Exception as exc:
-            self.hook_errors["governor"] = f"could not start: {exc}"
-            self.log(f"governor: could not start ({exc}); running without it")
-        try:
-            telemetry = SelfTelemetry(governor)
-            if self.exporter is not None:
-                telemetry.track_exporter(self.exporter)
-        except Exception as exc:
-            self.hook_errors["telemetry"] = f"could not start: {exc}"
-            self.log(f"telemetry: could not start ({exc}); running without it")
-        return governor, telemetry
-
-    def _new_governor(self, budget: float):
-        """A Governor for `budget`, or None when the budget is 0: the governor is off, probes never shed."""
-        from llmobs.governor import Governor
-
-        if budget == 0:
-            self.log("governor: off (overhead.budget = 0): no probe is ever shed")
-            return None
-        return Governor(budget, log=self.log, cost_scale=self.config.cost_scale)
-
-    def _set_budget(self, budget: float) -> None:
-        """A reloaded overhead.budget: a new budget, or the governor turned off (its shed probes
-        re-attached) or on (tracking every current target)."""
-        if self.governor is not None and budget > 0:
-            self._hook("governor", self.governor.set_budget, budget)
-            return
-        if self.governor is not None:
-            self._hook("governor", self.governor.release_all)
-            self.governor = None
-            self.log("governor: off (overhead.budget = 0): every shed probe re-attached")
-        elif budget > 0 and "llmobs.governor is not available" not in self.hook_errors.get("governor", ""):
-            self.governor = self._hook("governor", self._new_governor, budget)
-            for target in self.fleet.targets.values() if self.governor is not None else ():
-                self._hook("governor", self.governor.track, target.session)
-        if self.telemetry is not None:
-            self.telemetry.governor = self.governor
-
-    def _govern(self, now: float) -> None:
-        """One governor tick (it logs each shed/restore decision) and one self-telemetry sample, handed to
-        `top` through every target's snapshot and to OTLP as the llmobs.agent.* metrics."""
-        if self.governor is not None:
-            self._hook("governor", self.governor.tick, now)
-        if self.telemetry is None:
-            return
-        self.last_sample = self._hook("telemetry", self.telemetry.sample)
-        if self.last_sample is None:
-            return
-        from llmobs.governor.telemetry import agent_metrics, top_fields
-
-        for pid, target in self.fleet.targets.items():
-            state = self._hook("governor", self.governor.target_state, pid) if self.governor else None
-            target.pipeline.live.agent = self._hook("telemetry", top_fields, self.last_sample, state)
-        if self.exporter is not None:
-            self._hook("telemetry", self.exporter.metrics.set_agent_metrics, agent_metrics(self.last_sample))
-
-    def _hook(self, name: str, call: Callable, *args):
-        """Calls into the governor/telemetry; a failure is logged once and never stops the daemon."""
-        try:
-            return call(*args)
-        except Exception as exc:
-            if name not in self.hook_errors:
-                self.log(f"{name}: {type(exc).__name__}: {exc}")
-            self.hook_errors[name] = str(exc)
-            return None
 
     # ---- signals ----------------------------------------------------------------------------------
     def _install_signals(self) -> dict:
@@ -272,60 +190,57 @@ class Service:
         return 0
 
     def _loop(self) -> None:
-        now = time.monotonic()
-        next_scan = next_slow = now
-        next_retention = now + RETENTION_EVERY_S
-        next_watchdog = now
-        while self._flags["stop"] is None:
+        def reload(_now: float) -> None:
             if self._flags["reload"]:
                 self._flags["reload"] = False
                 self._reload()
-                next_scan = 0.0
-            now = time.monotonic()
-            if now >= next_scan:
-                next_scan = now + self.config.discovery_interval_s
-                self._discover()
-            drained = self.fleet.poll()
-            now = time.monotonic()
-            if now >= next_slow:
-                next_slow = now + SLOW_TICK_S
-                self._slow_tick(now)
-            if self.notifier.watchdog_s and now >= next_watchdog:
-                next_watchdog = now + self.notifier.watchdog_s
-                self.notifier.watchdog()
-            if self.config.retention_age_s and now >= next_retention:
-                next_retention = now + RETENTION_EVERY_S
-                self._retention(by_size=False)
-            busy = drained >= self._busy_events
-            self._wait(DRAIN_PERIOD_S[not busy])
+                discover.next_at = 0.0  # a changed selector is applied at once
+
+        discover = Task(lambda: self.config.discovery_interval_s, lambda _now: self._discover())
+        tasks = [
+            Task(0.0, reload),
+            discover,
+            Task(STATUS_EVERY_S, lambda _now: self._report_status()),
+        ]
+        if self.notifier.watchdog_s:
+            tasks.append(Task(self.notifier.watchdog_s, lambda _now: self.notifier.watchdog()))
+        if self.config.retention_age_s:
+            retain = Task(RETENTION_EVERY_S, lambda _now: self._retention(by_size=False))
+            retain.next_at = time.monotonic() + RETENTION_EVERY_S  # the first run after one period
+            tasks.append(retain)
+        self.agent.run(lambda: self._flags["stop"], tasks, wait=self._wait)
 
     def _discover(self) -> None:
+        # first the maps of processes that are already gone (some lived shorter than a scan interval)
+        removed, steps = self.agent.sweep_maps(Selectors.of(self.config).accepts_exited_uid)
+        if removed:
+            self.log(f"stale maps: {len(removed)} removed, {steps:,} unread token steps stored first")
         appeared, gone = self.watcher.scan()
         for proc in gone:
-            target = self.fleet.targets.get(proc.pid)
-            if target is not None and target.proc.key == proc.key:
+            target = self.agent.targets.get(proc.pid)
+            if target is not None and target.key.key == proc.key:
                 alive = target.session.target_alive()
                 self._detach(proc.pid, "no longer selected" if alive else "exited")
         for proc in appeared:
             self._attach(proc)
 
     def _attach(self, proc: Proc) -> None:
-        if len(self.fleet.targets) >= self.config.max_targets:
+        if len(self.agent.targets) >= self.config.max_targets:
             self._refuse(proc, f"daemon.max_targets = {self.config.max_targets} reached")
             return
         try:
-            target = self.fleet.add(proc)
+            session, pipeline = self.fleet.open_target(proc)
         except LlmobsError as exc:
             self._refuse(proc, str(exc))
             return
         except Exception as exc:  # a bug or a kernel refusal: one line, the daemon goes on
             self._refuse(proc, f"{type(exc).__name__}: {exc}")
             return
-        session = target.session
+        self.agent.add(session, pipeline, shared=True, key=proc)
         probes = ",".join(p.name for p in session.attached_probes)
         skipped = "".join(f"; skipped {s.probe.name}: {s.reason}" for s in session.skipped)
         tag = "map" if session.cell_address else "no map yet: events untagged until it appears"
-        refused = None if session.cell_address else self._hook("map check", _map_refusal, session)
+        refused = None if session.cell_address else self.agent.guard("map check", _map_refusal, session)
         if refused:  # a map that fails the reader's owner/mode checks: never used to tag events
             tag = f"map refused, events untagged: {refused}"
         self._write_status()  # before the line: whoever reads the line finds the status current
@@ -333,11 +248,6 @@ class Service:
             f"attach pid {proc.pid} ({_short(proc.command)}) [{proc.why}, {tag}]: {probes}"
             f" in {session.stats.attached_after_s:.2f} s{skipped}"
         )
-        if self.governor is not None:
-            self._hook("governor", self.governor.track, session)
-        if self.telemetry is not None:
-            self._hook("telemetry", self.telemetry.track_session, session)
-            self._hook("telemetry", self.telemetry.track_pipeline, target.pipeline)
 
     def _refuse(self, proc: Proc, reason: str) -> None:
         self.watcher.refuse(proc, reason)
@@ -346,48 +256,42 @@ class Service:
             self.log(f"skip pid {proc.pid} ({_short(proc.command)}): {reason}")
 
     def _detach(self, pid: int, reason: str) -> Detached | None:
-        target = self.fleet.targets.get(pid)
-        if target is None:
+        if pid not in self.agent.targets:
             return None
-        if self.governor is not None:
-            self._hook("governor", self.governor.untrack, target.session)
-        detached = self.fleet.remove(pid, reason)
-        if self.telemetry is not None:
-            self._hook("telemetry", self.telemetry.untrack_session, target.session, detached.final)
-            self._hook("telemetry", self.telemetry.untrack_pipeline, target.pipeline)
-        self.watcher.forget(pid)  # a process still selected (probes reconfigured) is found again
+        return self.agent.remove(pid, reason)  # the runtime calls _on_detach
+
+    def _on_detach(self, detached: Detached) -> None:
+        """A target left the runtime (it exited, was deselected, or the daemon stops)."""
+        # a process still selected (probes reconfigured) is found again by the next scan
+        self.watcher.forget(detached.target.pid)
         self.detached_total += 1
         self._write_status()
         self._log_detach(detached)
-        return detached
 
     def _log_detach(self, detached: Detached) -> None:
         target, summary = detached.target, detached.summary
         steps = summary.steps_read if summary else 0
         problems = detached.final.get("problems") or []
         stored = f"{summary.committed_rows:,} rows committed" if summary else "pipeline failed"
+        reason = "exited" if detached.reason == "target exited" else detached.reason
         self.log(
-            f"detach pid {target.proc.pid} ({_short(target.proc.command)}): {detached.reason}; "
+            f"detach pid {target.pid} ({_short(target.key.command)}): {reason}; "
             f"{target.events:,} events, {steps:,} token steps, {stored}"
             + (f"; problems: {'; '.join(problems)}" if problems else "")
         )
 
-    def _slow_tick(self, now: float) -> None:
-        for pid, target in list(self.fleet.targets.items()):
-            if not target.session.target_alive():
-                self._detach(pid, "exited")
-        self._govern(now)
+    def _report_status(self) -> None:
         self._write_status()
         self.notifier.status(self._status_text())
 
     # ---- status -----------------------------------------------------------------------------------
     def _status_text(self) -> str:
-        targets = self.fleet.targets if self.fleet else {}
+        targets = self.agent.targets if self.agent else {}
         return f"{len(targets)} target(s): " + (" ".join(str(pid) for pid in targets) or "waiting")
 
     def status(self) -> dict:
         """The daemon-wide status (written to RUN_DIR/daemon.json once a second)."""
-        fleet = self.fleet
+        fleet, agent = self.fleet, self.agent
         data = {
             "agent_pid": os.getpid(),
             "updated_ns": clock.monotonic_ns(),
@@ -401,19 +305,19 @@ class Service:
                 "tracepoints": [p.name for p in fleet.global_probes] if fleet else [],
                 "skipped": dict(fleet.skipped) if fleet else {},
             },
-            "targets": [_target_row(t) for t in fleet.targets.values()] if fleet else [],
-            "counters": fleet.counters() if fleet else {},
+            "targets": [_target_row(t) for t in agent.targets.values()] if agent else [],
+            "counters": {**(fleet.counters() if fleet else {}), "unrouted": agent.unrouted if agent else 0},
             "discovery": dataclasses.asdict(self.watcher.stats) if self.watcher else {},
             "reloads": self.reloads,
             "reload_errors": self.reload_errors,
             "last_reload_error": self.last_reload_error,
             "detached": self.detached_total,
-            "hooks_missing_or_failed": dict(self.hook_errors),
+            "hooks_missing_or_failed": {**(agent.hook_errors if agent else {}), **self.hook_errors},
         }
-        if self.governor is not None:
-            data["governor"] = self._hook("governor", self.governor.snapshot)
-        if self.last_sample is not None:
-            data["telemetry"] = self.last_sample
+        if agent is not None and agent.governor is not None:
+            data["governor"] = agent.guard("governor", agent.governor.snapshot)
+        if agent is not None and agent.last_sample is not None:
+            data["telemetry"] = agent.last_sample
         if self.exporter is not None:
             data["otlp"] = self.exporter.counters.as_dict()
         return data
@@ -455,18 +359,19 @@ class Service:
         self.config = new
         self.log(f"reload: {', '.join(live) if live else 'nothing changed'}")
         if any(k in FLEET_KEYS for k in live):  # recompile: detach all; the next scan attaches again
-            for pid in list(self.fleet.targets):
+            for pid in list(self.agent.targets):
                 self._detach(pid, "probes reconfigured")
             self.fleet.close()
             self.fleet = self._new_fleet(new)
+            self.agent.use_ring(self.fleet.ring, self.fleet.ring_records)
             self.watcher.tracked.clear()
         if any(k in SELECT_KEYS for k in live):
             self.watcher.set_selectors(Selectors.of(new), new.recheck_s)
             self._logged_refusals.clear()
         if "overhead.budget" in live:
-            self._set_budget(new.overhead_budget)
-        if "overhead.cost_scale" in live and self.governor is not None:
-            self.governor.cost_scale = new.cost_scale
+            self.agent.set_budget(new.overhead_budget)
+        if "overhead.cost_scale" in live:
+            self.agent.set_cost_scale(new.cost_scale)
         self.notifier.ready(self._status_text())
 
     # ---- retention and stop -----------------------------------------------------------------------
@@ -490,12 +395,13 @@ class Service:
 
     def _shutdown(self) -> None:
         """Every target detached with its final totals committed, the exporter finished, the store closed."""
+        # every target detached first, then the exporter finished while the store is still open
+        if self.agent is not None:
+            self.agent.close(f"agent stopping ({self._flags['stop'] or 'error'})")
         if self.fleet is not None:
-            for pid in list(self.fleet.targets):
-                self._detach(pid, f"agent stopping ({self._flags['stop'] or 'error'})")
             self.fleet.close()
-        if self.exporter is not None:
-            counters = self.exporter.finish()
+        counters = self.agent.exporter_counters if self.agent is not None else None
+        if counters is not None:
             self.log(
                 f"otlp: {counters.spans_sent:,} spans sent, {counters.attempts_failed} failed attempts"
                 + (f"; last error: {counters.last_error}" if counters.last_error else "")
@@ -530,13 +436,13 @@ def _short(command: str, limit: int = 80) -> str:
 
 
 def _target_row(target: Target) -> dict:
-    session, pipeline = target.session, target.pipeline
+    session, pipeline, proc = target.session, target.pipeline, target.key
     return {
-        "pid": target.proc.pid,
-        "start_ticks": target.proc.start_ticks,
-        "command": target.proc.command,
-        "why": target.proc.why,
-        "uid": target.proc.uid,
+        "pid": proc.pid,
+        "start_ticks": proc.start_ticks,
+        "command": proc.command,
+        "why": proc.why,
+        "uid": proc.uid,
         "probes": [p.name for p in session.attached_probes],
         "uprobe_events": len(session.attached.uprobe_events),
         "tagged": bool(session.cell_address),
@@ -545,3 +451,11 @@ def _target_row(target: Target) -> dict:
         "token_steps": pipeline.shm.steps,
         "drops": pipeline.drops(),
     }
+
+
+def new_agent(config: DaemonConfig, fleet: Fleet, store, exporter, log, on_detach) -> Agent:
+    """The runtime for the daemon's fleet: the shared ring, the overhead budget, the exporter."""
+    return Agent(
+        store=store, ring=fleet.ring, ring_records=fleet.ring_records, exporter=exporter,
+        budget=config.overhead_budget, cost_scale=config.cost_scale, log=log, on_detach=on_detach,
+    )  # fmt: skip

@@ -1,7 +1,7 @@
 """The dL/dE heatmap of a training loss spike: one panel per step (the last 5 up to the spike), each
 tokens (rows) x embedding dims (columns), on one shared, symmetric colour scale so the panels compare.
 
-Rendered by the agent from the .npz the workload dumped (llmobs.publisher_train), with matplotlib's
+Rendered by the agent from the .npz the workload dumped (llmobs.publisher.training), with matplotlib's
 Agg backend (no display). Each panel draws the slice pixel for pixel (imshow, no interpolation), so a
 single token whose gradient blows up shows as one bright row. The PNG carries its own description in
 text chunks (`llmobs:panels`, `llmobs:shape` = "panels x tokens x dims", `llmobs:step_seq`), so a test

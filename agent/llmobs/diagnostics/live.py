@@ -5,7 +5,7 @@ of its own, so its rows take this small writer instead: a bounded queue and one 
 each batch as soon as it arrives (the drain loop never waits on the disk; a full queue drops and
 counts). For each committed row it keeps the latency from the step's end in the workload (t_end_ns,
 CLOCK_MONOTONIC, the clock of time.monotonic_ns here) to the commit, which the agent reports and
-scripts/bench_anomaly_latency.py measures. Evidence is added later, once correlate has rolled the
+bench/anomaly_latency.py measures. Evidence is added later, once correlate has rolled the
 step up (`refresh_evidence`, called from the pipeline's correlate thread).
 """
 

@@ -8,7 +8,7 @@ batch raises every token of its requests at once, so no token stands out from it
 Flagged steps stay out of later windows, so one bad batch does not hide the next.
 
 On a spike the monitor (a thread of its own, never the pipeline's poll) asks the workload for the
-last 5 dL/dE slices up to that step (control command CMD_DUMP_GRADIENTS, llmobs.publisher_train),
+last 5 dL/dE slices up to that step (control command CMD_DUMP_GRADIENTS, llmobs.publisher.training),
 waits for the ack (bounded), renders the heatmap PNG from the .npz the workload wrote next to its map
 (llmobs.diagnostics.heatmap), removes the .npz (tmpfs), and writes the anomaly row (kind
 `train_loss_spike`) with `artifact` = the PNG path. Without an answer (no training mode, workload gone,
@@ -192,8 +192,8 @@ class TrainingMonitor:
     def _heatmap(self, spike: StepSpike) -> tuple[str | None, str | None]:
         from llmobs.diagnostics.heatmap import render_npz
         from llmobs.errors import LlmobsError
-        from llmobs.publisher_train import dump_path
         from llmobs.shm.control import ControlClient
+        from llmobs.shm.names import dump_path
 
         try:
             client = ControlClient(self.pid, self.shm_dir)

@@ -3,7 +3,7 @@
 Once a tick (about a second) and for every tracked AttachSession it takes the exact per-probe hit
 counts (session.live_totals(): what the kernel counted, sampled or not), turns them into hit rates
 over a sliding window, and weighs them with the calibrated per-hit cost of each probe at its site
-(llmobs.governor.calibrate). The workload's busy time comes from /proc/PID/stat (utime + stime, all
+(llmobs.bpf.calibrate). The workload's busy time comes from /proc/PID/stat (utime + stime, all
 threads): the traps run in the workload's own context and are part of it, so
 
     overhead = sum(rate_i * cost_i)            (CPU-seconds per second spent in probe hits)
@@ -40,13 +40,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from llmobs.bpf import calibrate
 from llmobs.bpf.profiles import PROBES
-from llmobs.governor import calibrate
 
 DEFAULT_BUDGET = 0.01
 # Calibrated costs x this: a hit inside a real workload costs more than in the calibration's tight loop
 # (the kernel's trap path with cold caches and TLB, and the workload's own code slower after each trap).
-# Measured here by scripts/bench_governor.py, the workload's CPU per token with every probe against none:
+# Measured here by python -m bench.governor, the workload's CPU per token with every probe against none:
 # 2.7x the calibrated estimate on the tiny model, 1.9x on SmolLM2-135M (docs/governor.md); 2.3 is their
 # geometric mean. A host or workload that differs overrides it: `--cost-scale`, overhead.cost_scale.
 DEFAULT_COST_SCALE = 2.3

@@ -20,7 +20,7 @@ from llmobs import clock
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-# kernel counters of a program (bpf/llmobs_events.h LLMOBS_CTR_*) -> drop names
+# kernel counters of a program (bpf/c/llmobs_events.h LLMOBS_CTR_*) -> drop names
 KERNEL_DROPS = {"ring_drops": "kernel_ring_full", "agg_overflow": "kernel_aggregates_full",
                 "start_lost": "kernel_interval_lost"}  # fmt: skip
 # Pipeline.drops() names -> drop names (user space: the agent's queues and the map reader; the workload's

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from llmobs import environment
 from llmobs.errors import ExitCode, LlmobsError
 
 PROTOCOLS = ("grpc", "http/protobuf")
@@ -37,7 +38,7 @@ ENV: dict[str, tuple[str, ...]] = {
         "OTEL_EXPORTER_OTLP_CLIENT_CERTIFICATE",
     ),
     "compression": ("OTEL_EXPORTER_OTLP_TRACES_COMPRESSION", "OTEL_EXPORTER_OTLP_COMPRESSION"),
-    "service_name": ("OTEL_SERVICE_NAME",),
+    "service_name": (environment.OTEL_SERVICE_NAME,),  # the workload reads it too (shm/otel_ctx.py)
     "resource_attributes": ("OTEL_RESOURCE_ATTRIBUTES",),
 }
 # The env variables whose value is a signal-specific endpoint (used verbatim for HTTP).

@@ -7,7 +7,9 @@ time), which Prometheus-compatible stores handle.
 
 Cardinality: attributes are model, tenant and kernel *class*; kernel names (unbounded: templated C++
 names) appear only on spans. Each histogram bucket keeps its latest exemplar (trace id, span id, value)
-so a dashboard can jump from a slow bucket to a span.
+so a dashboard can jump from a slow bucket to a span. The GPU gauges (NVML's gpu_samples: the newest
+sample of each process and GPU) are keyed by pid, GPU index and uuid, as OpenTelemetry's hw.gpu.*
+conventions key a GPU by its id.
 """
 
 from __future__ import annotations
@@ -87,7 +89,16 @@ class SumPoint:
     exemplar: Exemplar | None = None
 
 
-Attrs = tuple[tuple[str, str], ...]
+@dataclass
+class GaugePoint:
+    value: float
+    time_ns: int  # wall time of the sample
+
+
+Attrs = tuple[tuple[str, object], ...]
+
+# gpu_samples column -> (gauge, scale): SM utilisation as a ratio (hw.gpu.utilization's unit "1")
+GPU_GAUGES = (("sm_util", "llmobs.gpu.utilization", 0.01), ("mem_used", "llmobs.gpu.memory.used", 1.0))
 
 
 class MetricsAggregator:
@@ -100,6 +111,7 @@ class MetricsAggregator:
         self.resource = resource
         self.histograms: dict[str, dict[Attrs, HistogramPoint]] = {}
         self.sums: dict[str, dict[Attrs, SumPoint]] = {}
+        self.gauges: dict[str, dict[Attrs, GaugePoint]] = {}
         self.observed_batches = 0
         # the agent's own telemetry (llmobs.governor.telemetry.agent_metrics), replaced whole each time
         self.agent_points: list = []
@@ -171,11 +183,30 @@ class MetricsAggregator:
             point.value += seconds
             if ex is not None:
                 point.exemplar = Exemplar(seconds, ex.time_ns, ex.trace_id, ex.span_id)
+        self._observe_gpu(batch.gpu_samples)
         self.observed_batches += 1
+
+    def _observe_gpu(self, samples: list[dict]) -> None:
+        """The newest NVML sample of each (process, GPU) becomes that series' gauge value; samples NVML
+        had no figure for (NULL: no kernel ran since its last look) leave the gauge as it was."""
+        for row in samples:
+            attrs: Attrs = (
+                ("process.pid", int(row["pid"])),
+                ("llmobs.gpu.index", int(row["gpu_index"])),
+                ("llmobs.gpu.uuid", row["gpu_uuid"] or ""),
+            )
+            time_ns = int(row["ts_ns"]) + self.offset
+            for column, name, scale in GPU_GAUGES:
+                if row[column] is None:
+                    continue
+                series = self.gauges.setdefault(name, {})
+                point = series.get(attrs)
+                if point is None or time_ns >= point.time_ns:
+                    series[attrs] = GaugePoint(row[column] * scale, time_ns)
 
     def encode(self, now_wall_ns: int) -> ExportMetricsServiceRequest | None:
         agent_points = self.agent_points
-        if not self.histograms and not self.sums and not agent_points:
+        if not self.histograms and not self.sums and not self.gauges and not agent_points:
             return None
         request = ExportMetricsServiceRequest()
         resource_metrics = request.resource_metrics.add()
@@ -218,6 +249,15 @@ class MetricsAggregator:
                     dp.as_double = point.value
                 if point.exemplar is not None:
                     _add_exemplar(dp.exemplars.add(), point.exemplar)
+        for name, series in self.gauges.items():
+            metric = scope.metrics.add()
+            metric.name = name
+            metric.unit, metric.description = _DESCRIPTIONS[name]
+            for attrs, point in series.items():
+                dp = metric.gauge.data_points.add()
+                dp.attributes.extend(key_values(dict(attrs)))
+                dp.time_unix_nano = point.time_ns  # when NVML was read, not when this was sent
+                dp.as_double = point.value
         _encode_agent_points(scope, agent_points, self.start_wall_ns, now_wall_ns)
         return request
 
@@ -259,4 +299,6 @@ _DESCRIPTIONS = {
     "llmobs.step.allocations": ("{allocation}", "Memory allocations per forward pass"),
     "llmobs.tokens": ("{token}", "Tokens generated, by tenant and model"),
     "llmobs.gpu.time": ("s", "GPU device time by kernel class (CUPTI)"),
+    "llmobs.gpu.utilization": ("1", "Share of NVML's last sample period a kernel of the process ran (0-1)"),
+    "llmobs.gpu.memory.used": ("By", "GPU device memory the process holds (NVML)"),
 }

@@ -133,6 +133,14 @@ WHERE a.ts_ns >= $lo  -- detected after its step, however late (an agent catchin
 ORDER BY a.pid, a.step_seq, a.kind
 """
 
+# NVML samples of the batch's processes over its step window (llmobs.gpu.nvml_source): the OTLP gauges
+# of GPU utilisation and memory, newest value per series (metrics.py).
+_BATCH_GPU_SAMPLES = """
+SELECT g.pid, g.gpu_index, coalesce(g.gpu_uuid, '') AS gpu_uuid, g.ts_ns, g.sm_util, g.mem_used
+FROM gpu_samples g WHERE g.pid IN (SELECT unnest($pids)) AND g.ts_ns BETWEEN $lo AND $hi
+ORDER BY g.ts_ns
+"""
+
 # How far around a batch's step window to look for its events (CUPTI records and late-tagged work).
 EVENT_SLACK_NS = 2_000_000_000
 
@@ -148,6 +156,7 @@ class StepBatch:
     requests: list[dict]  # closed requests whose span goes out with this batch
     processes: dict[int, dict]
     anomalies: list[dict] = field(default_factory=list)  # anomaly rows of the batch's passes
+    gpu_samples: list[dict] = field(default_factory=list)  # NVML samples of its processes, in time order
 
     @property
     def span_count(self) -> int:
@@ -163,6 +172,7 @@ class StepBatch:
             [r for r in self.requests if keep(r["trace_id"])],
             self.processes,
             [a for a in self.anomalies if keep(a["trace_id"] or "")],
+            self.gpu_samples,  # gauges of the processes, not of traces: never sampled away
         )
 
 
@@ -184,6 +194,11 @@ class ExportCursor:
                 " CASE WHEN hi = 0 AND lo = 0 THEN '' ELSE printf('%016x%016x', hi, lo) END"
             )
         self._process_cache: dict[int, dict] = {}
+        self._has_gpu_samples = bool(  # a store older than schema 6 has no NVML samples
+            conn.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = 'gpu_samples'"
+            ).fetchall()[0][0]
+        )
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -244,6 +259,7 @@ class ExportCursor:
         rollups: dict[tuple[int, int], dict] = {}
         gpu_time: list[dict] = []
         anomalies: list[dict] = []
+        gpu_samples: list[dict] = []
         if steps:
             passes = table.group_by(["pid", "step_seq"]).aggregate([])
             conn.register("_otlp_passes", passes)
@@ -260,6 +276,13 @@ class ExportCursor:
                     rollups[(row["pid"], row["step_seq"])] = row
                 gpu_time = conn.sql(_BATCH_GPU_TIME, params=params).to_arrow_table().to_pylist()
                 anomalies = conn.sql(_BATCH_ANOMALIES, params={"lo": lo}).to_arrow_table().to_pylist()
+                if self._has_gpu_samples:
+                    step_pids = sorted({s["pid"] for s in steps})
+                    gpu_samples = (
+                        conn.sql(_BATCH_GPU_SAMPLES, params={**params, "pids": step_pids})
+                        .to_arrow_table()
+                        .to_pylist()
+                    )
             finally:
                 conn.unregister("_otlp_passes")
         # A final flush closes every request only once no step is left behind this batch.
@@ -269,7 +292,9 @@ class ExportCursor:
         now_ns = now_ns if drained else None
         requests = self._closed_requests(steps, limit, request_idle_ns, now_ns, flush and drained)
         pids = {s["pid"] for s in steps} | {r["pid"] for r in requests}
-        return StepBatch(steps, events, rollups, gpu_time, requests, self.processes(pids), anomalies)
+        return StepBatch(
+            steps, events, rollups, gpu_time, requests, self.processes(pids), anomalies, gpu_samples
+        )
 
     def _closed_requests(
         self, steps: list[dict], limit: int, idle_ns: int | None, now_ns: int | None, flush: bool

@@ -1,8 +1,10 @@
 """Pipeline: one attached process's sources fanned out to queued sinks, correlated as data lands.
 
-The caller's drain loop calls `poll(events)` every ~20 ms with the ring batch it drained; the pipeline
+The runtime (llmobs.runtime.Agent) calls `poll(events)` every ~20 ms with the ring batch it drained;
+the pipeline
 adds the token steps its ShmSource reads, hands the exact totals the session harvested (once a second)
-and fans everything out to its sinks (StoreWriter first; anything with `submit`/`close` may be added).
+and fans everything out to its sinks through one CompositeSink (StoreWriter first, the journal; any
+llmobs.dataflow.Sink may be added).
 A background thread runs the incremental correlate every few seconds on its own DuckDB cursor, so the
 drain loop never waits on the disk or on SQL. `close(events, final)` hands the last batches, stops the
 correlator, commits everything, runs one last correlate over the session's steps, and returns what
@@ -25,10 +27,11 @@ import pyarrow as pa
 
 from llmobs import clock
 from llmobs.bpf.profiles import PROBES
-from llmobs.correlate import CorrelateStats, correlate
+from llmobs.dataflow import CompositeSink
 from llmobs.diagnostics.detectors import DetectorConfig
 from llmobs.diagnostics.live import LiveAnomalies
 from llmobs.diagnostics.training import TrainingMonitor, artifacts_dir_for
+from llmobs.pipeline.correlate import CorrelateStats, correlate
 from llmobs.pipeline.live import LiveStats, remove_snapshot, snapshot_path, write_snapshot
 from llmobs.pipeline.sources import BpfSource, ShmSource
 from llmobs.procfs import ProcFS
@@ -133,7 +136,8 @@ class Pipeline:
         self.pid = pid
         self.owns_store = owns_store
         self.writer = StoreWriter(store, EventDecoder([p.name for p in PROBES], sample_ratio=sample_ratio))
-        self.sinks = [self.writer, *extra_sinks]
+        # the journal first, then whatever else wants the batches; one fan-out, itself a sink
+        self.sinks = CompositeSink([self.writer, *extra_sinks])
         self.shm = shm or ShmSource(pid)
         self.bpf = BpfSource(session) if session is not None else None
         self.started_ns = clock.monotonic_ns()
@@ -187,11 +191,7 @@ class Pipeline:
         return {"start_ns": start_ns, "columns": columns}
 
     def _fan_out(self, item) -> None:
-        for sink in self.sinks:
-            try:
-                sink.submit(item)
-            except Exception as exc:  # a sink never raises into the pipeline
-                self.last_error = f"{type(sink).__name__}: {exc}"
+        self.sinks.submit(item)  # never raises: a failing sink is counted by name
 
     def poll(self, events: np.ndarray | None = None) -> int:
         """Hand one drained ring batch (may be empty) and whatever the map has; returns steps read."""
@@ -249,6 +249,8 @@ class Pipeline:
             out["agg_overflow"] = counters.get("agg_overflow", 0)
         out["store_dropped"] = self.writer.counters.dropped_rows
         out["store_failed"] = self.writer.counters.failed_rows
+        for name, failed in self.sinks.failures.items():
+            out[f"sink_{name}_failed"] = failed
         return out
 
     def _write_snapshot(self) -> None:
@@ -342,11 +344,9 @@ class Pipeline:
             self._hand_aggregates(self.bpf._deltas(final.get("totals", {})))
         self._stop.set()
         self._correlator.join(CLOSE_TIMEOUT_S)
-        for sink in self.sinks:
-            try:
-                sink.close(CLOSE_TIMEOUT_S)
-            except Exception as exc:
-                self.last_error = f"{type(sink).__name__}: {exc}"
+        closed = self.sinks.close(CLOSE_TIMEOUT_S)
+        if self.sinks.last_error or not closed:
+            self.last_error = self.sinks.last_error or "a sink did not finish within its close timeout"
         if self.anomalies is not None:
             self.anomalies.close(CLOSE_TIMEOUT_S)
         summary = self._summary()
@@ -417,7 +417,43 @@ class Pipeline:
             committed_rows=counters.committed_rows,
             dropped_rows=counters.dropped_rows,
             failed_rows=counters.failed_rows,
-            store_error=self.store.counters.last_error or self.last_error,
+            store_error=self.store.counters.last_error or self.last_error or self.sinks.last_error,
             correlate_runs=self.correlate_runs,
             correlate_errors=self.correlate_errors,
         )
+
+    # ---- batches of sources the pipeline does not poll itself (a CUPTI trace, NVML) ----------------
+    def add_batch(self, batch: dict) -> None:
+        """One {table: columns} batch of another Source: token steps go the way the map's do (live
+        stats, detectors, the correlate window), gpu_samples as `add_gpu_samples`, every other table
+        to the sinks; the correlate window then reaches back to their oldest ts_ns, so the steps they
+        belong to are rolled up again (a trace's gpu_ops give those steps their gpu_ns)."""
+        rest = dict(batch)
+        steps = rest.pop("token_steps", None)
+        if steps is not None and len(steps["step_seq"]):
+            self._add_steps(steps)
+        samples = rest.pop("gpu_samples", None)
+        if samples is not None:
+            self.add_gpu_samples(samples)
+        oldest = _oldest_ts(rest)
+        if oldest is not None:
+            self.first_step_ns = oldest if self.first_step_ns is None else min(self.first_step_ns, oldest)
+            with self._since_lock:
+                pending = self._pending_since
+                self._pending_since = oldest if pending is None else min(pending, oldest)
+        if rest:
+            self._fan_out(rest)
+
+    def add_gpu_samples(self, columns: dict) -> None:
+        """This pid's NVML samples (gpu_samples columns, llmobs.gpu.nvml_source): to the sinks, and the
+        latest into LiveStats so `top` shows the process's GPU utilisation and memory."""
+        if not len(columns["ts_ns"]):
+            return
+        self.live.add_gpu_samples(columns)
+        self._fan_out({"gpu_samples": columns})
+
+
+def _oldest_ts(batch: dict) -> int | None:
+    """The smallest ts_ns in a {table: columns} batch (None: no table with timed rows)."""
+    times = [np.asarray(c["ts_ns"]) for c in batch.values() if isinstance(c, dict) and "ts_ns" in c]
+    return min((int(t.min()) for t in times if len(t)), default=None)

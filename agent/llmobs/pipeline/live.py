@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from llmobs import clock
+from llmobs import clock, environment
+from llmobs.store.schema import probe_class
 
-RUN_DIR_ENV = "LLMOBS_RUN_DIR"
 DEFAULT_RUN_DIR = Path("/run/llmobs")
 WINDOW_S = 10.0  # tokens/s and latency percentiles are over the last WINDOW_S seconds
 RECENT_STEPS = 64  # an idle process still shows the latency of its last steps
@@ -32,26 +32,11 @@ WORK_CLASSES = ("launch", "alloc", "free", "compute", "offcpu", "fault", "memcpy
 
 
 def run_dir() -> Path:
-    return Path(os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
+    return Path(os.environ.get(environment.LLMOBS_RUN_DIR) or DEFAULT_RUN_DIR)
 
 
 def snapshot_path(pid: int, directory: Path | None = None) -> Path:
     return (directory or run_dir()) / f"attach.{pid}.json"
-
-
-def probe_class(probe: str) -> str:
-    """The store's probe_class macro (schema.py), for the same columns without a database."""
-    name = probe.lower()
-    for needle, cls in (("launch", "launch"), ("free", "free"), ("alloc", "alloc"), ("memcpy", "memcpy")):
-        if needle in name:
-            return cls
-    if "sched_switch" in name or "off_cpu" in name or "offcpu" in name:
-        return "offcpu"
-    if "fault" in name:
-        return "fault"
-    if "gemm" in name or "linear" in name or "::mm" in name:
-        return "compute"
-    return "other"
 
 
 class LiveStats:
@@ -72,6 +57,8 @@ class LiveStats:
         # the attaching agent's own state (SelfTelemetry sample + governor state for this pid), set by
         # the agent each second; `top` shows it as a header line
         self.agent: dict | None = None
+        # gpu_index -> (ts_ns, SM utilisation %, device memory bytes) of this pid's newest NVML sample
+        self._gpu: dict[int, tuple[int, int | None, int | None]] = {}
 
     def add_steps(self, columns: dict) -> None:
         n = len(columns["step_seq"])
@@ -97,6 +84,27 @@ class LiveStats:
         if columns["model_id"]:
             self.model_id = columns["model_id"][-1] or self.model_id
         self.tenants.update(t for t in columns["tenant"] if t)
+
+    def add_gpu_samples(self, columns: dict) -> None:
+        """gpu_samples columns (llmobs.gpu.nvml_source) of this pid: the newest sample per GPU is kept."""
+        for ts, pid, gpu, sm, mem in zip(
+            np.asarray(columns["ts_ns"]).tolist(), np.asarray(columns["pid"]).tolist(),
+            np.asarray(columns["gpu_index"]).tolist(), list(columns["sm_util"]), list(columns["mem_used"]),
+            strict=True,
+        ):  # fmt: skip
+            if pid == self.pid and ts >= self._gpu.get(gpu, (0,))[0]:
+                self._gpu[gpu] = (ts, sm, mem)
+
+    def _gpu_row(self, since_ns: int) -> dict:
+        """The process's GPU utilisation (mean over its GPUs) and device memory (summed), from samples
+        of the last WINDOW_S; None where NVML said nothing (no GPU, or no kernel ran since its last look)."""
+        fresh = [v for v in self._gpu.values() if v[0] >= since_ns]
+        util = [v[1] for v in fresh if v[1] is not None]
+        memory = [v[2] for v in fresh if v[2] is not None]
+        return {
+            "gpu_util_pct": sum(util) / len(util) if util else None,
+            "gpu_mem_bytes": sum(memory) if memory else None,
+        }
 
     def add_aggregates(self, table: pa.Table) -> None:
         """probe_aggregates deltas (pid, step_seq, probe, count, sum_value, sum_duration_ns)."""
@@ -148,6 +156,7 @@ class LiveStats:
             "mean_loss": float(losses.mean()) if len(losses) else None,
             "per_step": per_step,
             "work_steps": len(steps),
+            **self._gpu_row(since),
             **({"agent": self.agent} if self.agent is not None else {}),
         }
 

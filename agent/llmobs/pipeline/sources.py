@@ -17,6 +17,7 @@ from llmobs.bpf.output import aggregates_table
 from llmobs.bpf.records import AGG_KEY_DTYPE, AGG_VAL_DTYPE
 from llmobs.errors import LlmobsError, MalformedMap, NotTracked
 from llmobs.shm import layout
+from llmobs.shm.identity import ProcessIdentity
 from llmobs.shm.reader import ShmReader
 
 REOPEN_PERIOD_S = 1.0  # how often a missing map is looked for again (the workload may create it late)
@@ -27,13 +28,24 @@ class ShmSource:
 
     The map may not exist yet (the process instruments itself after the agent attached): it is looked
     for again once a second. The reader keeps its file descriptor, so steps published just before the
-    process exits (and unlinks the map) are still read by the final poll.
+    process exits (and unlinks the map) are still read by the final poll. Each poll that moves the cursor
+    advertises it in the map's control block (reader_tail): a workload that exits before we caught up
+    leaves its map (llmobs.shm.leftover), and `drain()` reads such a map by path, once, then removes it.
+
+    `identity` is the process as the caller saw it alive (default: looked up now, None when it is gone
+    already); a map left behind at exit must match it (llmobs.shm.reader.ShmReader, final_read).
+    `advertise=False` for a reader that stores nothing (`top`): its cursor must not tell the workload
+    that its steps are safe.
     """
 
-    def __init__(self, pid: int, shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc"):
+    def __init__(self, pid: int, shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc",
+                 identity: ProcessIdentity | None = None, advertise: bool = True):  # fmt: skip
         self.pid = pid
+        self.advertise = advertise
         self.shm_dir = shm_dir
         self.proc_root = proc_root
+        self.identity = identity or ProcessIdentity.of(pid, proc_root)
+        self.removed_map: str | None = None  # the exited writer's map drain() read and removed
         self.reader: ShmReader | None = None
         self.cursor = 0
         self.layers_cursor = 0
@@ -62,7 +74,13 @@ class ShmSource:
             return False
         self._next_open = time.monotonic() + REOPEN_PERIOD_S
         try:
-            self.reader = ShmReader(self.pid, shm_dir=self.shm_dir, proc_root=self.proc_root)
+            self.reader = ShmReader(
+                self.pid,
+                shm_dir=self.shm_dir,
+                proc_root=self.proc_root,
+                final_read=True,
+                writer=self.identity,
+            )
             self._names_seen = 0  # a new reader starts its names map afresh
         except NotTracked as exc:  # no map (yet): said in the summary if it never appears
             self.waiting = str(exc)
@@ -78,11 +96,16 @@ class ShmSource:
 
     def drain(self) -> dict | None:
         """Everything still unread, looking for the map now whatever the retry period (for close: a
-        detach that comes before the first poll must still store the steps the map holds)."""
+        detach that comes before the first poll must still store the steps the map holds). A map whose
+        writer has exited - left at exit because we had not caught up, or by a killed process - is read
+        to its end now and then removed, so it is ingested once; our descriptor keeps it readable for
+        drain_layers(). The map of a live process stays: it is the workload's."""
         self._next_open = 0.0
         parts = []
         while (columns := self.poll()) is not None:
             parts.append(columns)
+        if self.reader is not None and not self.reader.is_alive() and self.reader.remove_file():
+            self.removed_map = self.reader.path
         if not parts:
             return None
         return {k: _concat([p[k] for p in parts]) for k in parts[0]}
@@ -102,6 +125,8 @@ class ShmSource:
             self.reader.close()
             self.reader, self.cursor, self.layers_cursor = None, 0, 0
             return None
+        if self.advertise and batch.next_cursor != self.cursor:
+            self.reader.advertise_tail(batch.next_cursor)  # what lets the workload remove its map at exit
         self.cursor = batch.next_cursor
         self.lost += batch.lost
         self.corrupt += batch.corrupt
@@ -156,7 +181,7 @@ class ShmSource:
         the first time since the last call; the names are folded in by the steps' poll."""
         if self.reader is None:
             return None
-        from llmobs.publisher_layers import parse_module_name
+        from llmobs.shm.names import parse_module_name
 
         names = self.reader.names  # hash -> text, only ever grows: look at the names added since last time
         if len(names) == self._names_seen:

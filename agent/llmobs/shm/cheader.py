@@ -1,19 +1,22 @@
-"""Generates bpf/llmobs_abi.h from llmobs.shm.layout, so C and Python can never disagree.
+"""Generates llmobs/bpf/c/llmobs_abi.h from llmobs.shm.layout, so C and Python can never disagree.
 
 python -m llmobs.shm.cheader            print the header
-python -m llmobs.shm.cheader --write    (re)write bpf/llmobs_abi.h
-python -m llmobs.shm.cheader --check    exit 1 when bpf/llmobs_abi.h has drifted from the layout
+python -m llmobs.shm.cheader --write    (re)write llmobs/bpf/c/llmobs_abi.h
+python -m llmobs.shm.cheader --check    exit 1 when llmobs/bpf/c/llmobs_abi.h has drifted from the layout
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import sys
 from pathlib import Path
 
 from llmobs.shm import layout
 
-HEADER_PATH = Path(__file__).resolve().parents[3] / "bpf" / "llmobs_abi.h"
+# Beside the BPF programs that include it (package data of llmobs.bpf). Located through the `llmobs`
+# package, not by importing llmobs.bpf: shm sits below bpf and must not import it.
+HEADER_PATH = Path(str(importlib.resources.files("llmobs") / "bpf" / "c" / "llmobs_abi.h"))
 
 
 def _c_field(f: layout.Field) -> str:

@@ -61,9 +61,7 @@ class ControlClient:
 
     def advertise_tail(self, tail: int) -> None:
         """Tell the workload (and `inspect`) the next token-step position this reader will read."""
-        os.pwrite(
-            self.fd, struct.pack("<QQQ", os.getpid(), tail, time.monotonic_ns()), self.base + _C["reader_pid"]
-        )
+        write_reader_tail(self.fd, tail)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -73,3 +71,13 @@ class ControlClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def write_reader_tail(fd: int, tail: int) -> None:
+    """Store (reader_pid, reader_tail, reader_heartbeat_ns) into the map open at `fd`: one pwrite, which
+    the workload never waits on. At exit it removes its map only once reader_tail reached steps_head."""
+    os.pwrite(
+        fd,
+        struct.pack("<QQQ", os.getpid(), tail, time.monotonic_ns()),
+        layout.CONTROL_OFFSET + _C["reader_pid"],
+    )

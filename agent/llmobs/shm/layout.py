@@ -1,7 +1,7 @@
 """The one definition of the shared-memory map layout (ABI v2): structs, offsets and constants.
 
 Everything else is generated from this module: the numpy dtypes the writer and reader use, and the C
-header bpf/llmobs_abi.h (llmobs.shm.cheader). Change a field here, bump ABI_VERSION, regenerate.
+header bpf/c/llmobs_abi.h (llmobs.shm.cheader). Change a field here, bump ABI_VERSION, regenerate.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import threading
 import time
 import uuid
 
+from llmobs import environment
+
 SIGNATURE = b"OTEL_CTX"
 VERSION = 2
 HEADER = struct.Struct("<8sIIQQ")  # signature, version, payload_size, published_at_ns, payload pointer
@@ -62,7 +64,8 @@ def encode_resource(attributes: dict[str, str]) -> bytes:
 def default_attributes(model_id: str | None = None) -> dict[str, str]:
     from llmobs.shm.writer import current_writer
 
-    name = os.environ.get("OTEL_SERVICE_NAME") or f"unknown_service:{os.path.basename(sys.executable)}"
+    fallback = f"unknown_service:{os.path.basename(sys.executable)}"  # what the OpenTelemetry SDKs report
+    name = os.environ.get(environment.OTEL_SERVICE_NAME) or fallback
     attrs = {
         "service.name": name,
         "service.instance.id": instance_id,

@@ -19,8 +19,10 @@ import numpy as np
 
 from llmobs.errors import AccessDenied, MalformedMap, NoSuchProcess, NotTracked
 from llmobs.shm import layout
+from llmobs.shm.control import write_reader_tail
 from llmobs.shm.hashing import trace_hex
-from llmobs.shm.writer import map_path, process_start_ticks
+from llmobs.shm.identity import ProcessIdentity, process_start_ticks
+from llmobs.shm.writer import map_path
 
 _HEADER_NAMES = [f.name for f in layout.HEADER.fields if f.count == 1]
 # the header's scalar fields are packed without holes, so one struct format reads them all
@@ -79,10 +81,20 @@ class FileSource:
         os.close(self.fd)
 
 
+# A file that is not a map at all (no magic, no room for a header) is not an ABI mismatch: say so.
+NOT_A_MAP_HINT = (
+    'the file does not start with an llmobs header ("LLMOBSMP"): some other program wrote it, or it was '
+    "cut short; remove it (an instrumented process creates its own map)"
+)
+
+
 def validate_header(raw: bytes, file_size: int) -> dict:
     """Check a header against the layout and the file size; return its fields as ints."""
     if file_size < layout.HEADER.size or len(raw) < layout.HEADER.size:
-        raise MalformedMap(f"map is {file_size} bytes, smaller than its {layout.HEADER.size}-byte header")
+        raise MalformedMap(
+            f"map is {file_size} bytes, smaller than its {layout.HEADER.size}-byte header",
+            hint=NOT_A_MAP_HINT,
+        )
     h = {
         k: int(v)
         for k, v in zip(
@@ -91,7 +103,7 @@ def validate_header(raw: bytes, file_size: int) -> dict:
         if k != "reserved"
     }  # noqa: E501
     if h["magic"] != layout.MAGIC:
-        raise MalformedMap(f"bad magic 0x{h['magic']:016x}: not an llmobs map")
+        raise MalformedMap(f"bad magic 0x{h['magic']:016x}: not an llmobs map", hint=NOT_A_MAP_HINT)
     if h["abi_version"] != layout.ABI_VERSION:
         raise MalformedMap(
             f"map has ABI version {h['abi_version']}, this agent reads version {layout.ABI_VERSION}"
@@ -423,22 +435,55 @@ def parse_buffer(data: bytes | bytearray | memoryview) -> tuple[MapView, StepBat
 
 
 class ShmReader(MapView):
-    """A live process's map, opened read-only and checked against the process that should own it."""
+    """A live process's map, opened read-only and checked against the process that should own it.
 
-    def __init__(self, pid: int, *, shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc"):
+    With `final_read=True` it also opens the map a process left behind when it exited (llmobs.shm.leftover:
+    the writer keeps its file while an agent has not read every step; a killed process leaves it too),
+    for one last read: then the file must be owned by the uid the process ran as (`writer`, the identity
+    the agent saw while it lived; without one, the uid the header records) and, with `writer`, the header
+    must name that very process (its start time), so a pid reused by another process lets no foreign map
+    in. `writer_exited` says which case it was."""
+
+    def __init__(self, pid: int, *, shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc",
+                 final_read: bool = False, writer: ProcessIdentity | None = None):  # fmt: skip
         self.pid = pid
         self.path = map_path(pid, shm_dir)
-        if not os.path.isdir(f"{proc_root}/{pid}"):
+        self.proc_root = proc_root
+        self.writer_exited = False
+        self._tail_fd: int | None = None
+        if not os.path.isdir(f"{proc_root}/{pid}") and not (final_read and os.path.lexists(self.path)):
             if os.path.lexists(self.path):
                 raise NoSuchProcess(
                     f"process {pid} does not exist; {self.path} is a stale map it left behind",
                     hint=f"the process exited without cleaning up; remove {self.path}",
                 )
             raise NoSuchProcess(f"no process with pid {pid}")
+        fd = self._open_file()
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            source = FileSource(fd, st.st_size, self.path)
+            if not final_read:
+                self._check_file(st, proc_root)
+                super().__init__(source, expected_pid=pid)
+                self._check_not_stale(proc_root)
+            else:
+                super().__init__(source, expected_pid=pid)  # the header first: it names the writer
+                if self._writer_is_live(proc_root):
+                    self._check_file(st, proc_root)
+                else:
+                    self._check_left_behind(st, writer)
+                    self.writer_exited = True
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _open_file(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            raise NotTracked(f"process {pid} publishes no llmobs map ({self.path} does not exist)") from None
+            raise NotTracked(
+                f"process {self.pid} publishes no llmobs map ({self.path} does not exist)"
+            ) from None
         except PermissionError:
             raise AccessDenied(
                 f"cannot read {self.path}: permission denied",
@@ -448,17 +493,8 @@ class ShmReader(MapView):
             if exc.errno == errno.ELOOP:
                 raise MalformedMap(f"{self.path} is a symbolic link, not a map file") from None
             raise MalformedMap(f"cannot open {self.path}: {exc.strerror}") from None
-        try:
-            st = os.fstat(fd)
-            self._check_file(st, proc_root)
-            source = FileSource(fd, st.st_size, self.path)
-            super().__init__(source, expected_pid=pid)
-            self._check_not_stale(proc_root)
-        except BaseException:
-            os.close(fd)
-            raise
 
-    def _check_file(self, st: os.stat_result, proc_root: str) -> None:
+    def _check_mode(self, st: os.stat_result) -> None:
         if not stat.S_ISREG(st.st_mode):
             raise MalformedMap(f"{self.path} is not a regular file")
         mode = stat.S_IMODE(st.st_mode)
@@ -467,14 +503,41 @@ class ShmReader(MapView):
                 f"{self.path} has mode {mode:04o}, a map must be 0600",
                 hint="another user could have written it; remove the file and restart the workload",
             )
+
+    def _check_owner(self, st: os.stat_result, owner: int, who: str) -> None:
+        if st.st_uid != owner:
+            raise MalformedMap(
+                f"{self.path} is owned by uid {st.st_uid} but process {self.pid} {who} uid {owner}",
+                hint="another user could have written it; remove the file and restart the workload",
+            )
+
+    def _check_file(self, st: os.stat_result, proc_root: str) -> None:
+        self._check_mode(st)
         try:
             owner = os.stat(f"{proc_root}/{self.pid}").st_uid
         except FileNotFoundError:
             raise NoSuchProcess(f"process {self.pid} exited") from None
-        if st.st_uid != owner:
-            raise MalformedMap(
-                f"{self.path} is owned by uid {st.st_uid} but process {self.pid} runs as uid {owner}",
-                hint="another user could have written it; remove the file and restart the workload",
+        self._check_owner(st, owner, "runs as")
+
+    def _writer_is_live(self, proc_root: str) -> bool:
+        """Whether the process now at our pid is the one the header names as the map's writer."""
+        try:
+            return process_start_ticks(self.pid, proc_root) == self.header["writer_start_ticks"]
+        except (OSError, ValueError, IndexError):
+            return False
+
+    def _check_left_behind(self, st: os.stat_result, writer: ProcessIdentity | None) -> None:
+        """The checks of _check_file for a map whose writer has exited: nothing is left in /proc to ask,
+        so the file is held to what the agent saw of the process (or to what its own header says)."""
+        self._check_mode(st)
+        self._check_owner(st, self.header["writer_uid"], "recorded writer")
+        if writer is None:
+            return
+        self._check_owner(st, writer.uid, "ran as")
+        if self.header["writer_start_ticks"] != writer.start_ticks:
+            raise NotTracked(
+                f"{self.path} was written by another process with pid {self.pid}, not the one attached to",
+                hint=f"the pid was reused; remove {self.path}",
             )
 
     def _check_not_stale(self, proc_root: str) -> None:
@@ -490,13 +553,39 @@ class ShmReader(MapView):
                 hint=f"the pid was reused; remove {self.path}",
             )
 
-    def is_alive(self) -> bool:
+    def advertise_tail(self, tail: int) -> bool:
+        """Publish our cursor in the map's control block (llmobs.shm.control.write_reader_tail), so the
+        workload knows at exit whether we have read everything. Written through a second descriptor of
+        the very file we validated (/proc/self/fd), never by path; False when we may not write it."""
         try:
-            return process_start_ticks(self.pid) == self.header["writer_start_ticks"]
-        except (OSError, ValueError, IndexError):
+            if self._tail_fd is None:
+                self._tail_fd = os.open(f"/proc/self/fd/{self.source.fd}", os.O_WRONLY | os.O_CLOEXEC)
+            write_reader_tail(self._tail_fd, tail)
+            return True
+        except OSError:
+            self._tail_fd = -1 if self._tail_fd is None else self._tail_fd
             return False
 
+    def remove_file(self) -> bool:
+        """Unlink the map's path if it still names the file we have open (a later process with our pid
+        may have put its own there); True when removed. Our descriptor stays readable."""
+        try:
+            ours, there = os.fstat(self.source.fd), os.stat(self.path, follow_symlinks=False)
+            if (ours.st_dev, ours.st_ino) != (there.st_dev, there.st_ino):
+                return False
+            os.unlink(self.path)
+            return True
+        except OSError:
+            return False
+
+    def is_alive(self) -> bool:
+        """Whether the map's writer still runs (its pid is not gone, nor reused by a later process)."""
+        return self._writer_is_live(self.proc_root)
+
     def close(self) -> None:
+        if self._tail_fd is not None and self._tail_fd >= 0:
+            os.close(self._tail_fd)
+        self._tail_fd = None
         self.source.close()
 
     def __enter__(self) -> ShmReader:
@@ -506,13 +595,16 @@ class ShmReader(MapView):
         self.close()
 
 
-def stale_maps(shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc") -> list[str]:
-    """Map files left by processes that died without cleaning up (SIGKILL, a crash): the pid is gone,
-    or it now belongs to a process started later than the map's writer."""
+def stale_maps(shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc", skip_pids=()) -> list[str]:
+    """Map files whose writer is gone: killed (SIGKILL, a crash), or exited before an agent read every
+    step (llmobs.shm.leftover). The pid is gone, or it now belongs to a process started later than the
+    map's writer. `skip_pids`: maps the caller reads itself (its own targets)."""
     stale = []
     for entry in os.scandir(shm_dir):
         pid_text = entry.name[len(layout.FILE_PREFIX) :]
         if not entry.name.startswith(layout.FILE_PREFIX) or not pid_text.isdigit():
+            continue
+        if int(pid_text) in skip_pids:
             continue
         if not entry.is_file(follow_symlinks=False):
             continue
@@ -530,10 +622,11 @@ def stale_maps(shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc") -> list[
     return stale
 
 
-def remove_stale_maps(shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc") -> list[str]:
-    """Remove the files stale_maps() finds (the agent's housekeeping); returns what it removed."""
+def remove_stale_maps(shm_dir: str = layout.SHM_DIR, proc_root: str = "/proc", skip_pids=()) -> list[str]:
+    """Remove the files stale_maps() finds (the agent's housekeeping where no store is open: with one,
+    llmobs.pipeline.leftovers.ingest_stale_maps stores their steps first); returns what it removed."""
     removed = []
-    for path in stale_maps(shm_dir, proc_root):
+    for path in stale_maps(shm_dir, proc_root, skip_pids):
         try:
             os.unlink(path)
             removed.append(path)

@@ -21,8 +21,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from llmobs import environment
 from llmobs.shm import layout
 from llmobs.shm.hashing import name_hash
+from llmobs.shm.identity import process_start_ticks
+from llmobs.shm.leftover import keep_at_exit
 
 _U64 = struct.Struct("<Q")
 _CELL_BODY = struct.Struct("<QQQQQ")  # trace_id_hi, trace_id_lo, step_seq, tenant_hash, session_hash
@@ -52,13 +55,6 @@ _command_handlers: dict[int, CommandHandler] = {}
 def register_command_handler(cmd: int, handler: CommandHandler) -> None:
     """Let an in-process component (the CUPTI collector) carry out an agent command."""
     _command_handlers[cmd] = handler
-
-
-def process_start_ticks(pid: int | str = "self", proc_root: str = "/proc") -> int:
-    """Field 22 of /proc/PID/stat (start time in clock ticks since boot): with the pid, a unique id."""
-    with open(f"{proc_root}/{pid}/stat", "rb") as f:
-        data = f.read()
-    return int(data[data.rindex(b")") + 2 :].split()[19])
 
 
 def map_path(pid: int, shm_dir: str = layout.SHM_DIR) -> str:
@@ -175,7 +171,9 @@ class ShmWriter:
             self.set_model(model_id)
 
     def close(self, unlink: bool = True) -> None:
-        """Commit what the device has finished, mark the map closed and remove the file."""
+        """Commit what the device has finished, mark the map closed and remove the file - unless an agent
+        on this host has not read every token step yet: then the file stays for it to read once and
+        remove (llmobs.shm.leftover; bounded, never blocks)."""
         if self.closed or os.getpid() != self.pid:  # a forked child never tears down its parent's map
             return
         self.closed = True
@@ -183,9 +181,19 @@ class ShmWriter:
             self.poll_pending(wait=True)
             self.words32[_H["state"] >> 2] = layout.STATE_CLOSED
         finally:
-            if unlink:
+            if unlink and not self._keep_for_reader():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path)
+
+    def _keep_for_reader(self) -> bool:
+        """Whether the map stays at exit for an agent that has not read every token step yet."""
+        try:
+            base = layout.CONTROL_OFFSET
+            reader_pid = int(self.words[(base + _C["reader_pid"]) >> 3])
+            reader_tail = int(self.words[(base + _C["reader_tail"]) >> 3])
+            return keep_at_exit(self.path, self.size, self.steps_head, reader_pid, reader_tail)
+        except Exception:  # never raises into the workload's exit: the map is removed as always
+            return False
 
     def set_model(self, model_id: str | None) -> None:
         """The process's default model id, shown by `inspect` before any step."""
@@ -656,8 +664,10 @@ def get_writer() -> ShmWriter:
     with _writer_lock:
         if _writer is None:
             opts = {
-                "shm_dir": os.environ.get("LLMOBS_SHM_DIR", layout.SHM_DIR),
-                "steps_capacity": int(os.environ.get("LLMOBS_STEPS_CAPACITY", layout.DEFAULT_STEPS_CAPACITY)),
+                "shm_dir": os.environ.get(environment.LLMOBS_SHM_DIR) or layout.SHM_DIR,
+                "steps_capacity": int(
+                    os.environ.get(environment.LLMOBS_STEPS_CAPACITY) or layout.DEFAULT_STEPS_CAPACITY
+                ),
             }
             opts.update(_writer_options)
             _writer = ShmWriter(**opts)

@@ -216,7 +216,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         "layer_modules: the qualified module name behind each (pid, layer-stream kind, layer)",
         (
             # diag-layers: the workload registers each layer stream's module name once (map names ring,
-            # `module:<kind>:<layer>:<name>`, llmobs.publisher_layers); root cause names the module from
+            # `module:<kind>:<layer>:<name>`, llmobs.shm.names); root cause names the module from
             # here. ts_ns is when the agent first read the name (retention).
             """CREATE TABLE layer_modules (
                 pid INTEGER NOT NULL,
@@ -224,6 +224,42 @@ MIGRATIONS: tuple[Migration, ...] = (
                 layer INTEGER NOT NULL,
                 module VARCHAR NOT NULL,
                 ts_ns BIGINT NOT NULL)""",
+        ),
+    ),
+    Migration(
+        6,
+        "gpu_samples: NVML utilisation and memory per (sample time, pid, GPU); step_gpu joins them to steps",
+        (
+            # One row per NVML sample of a tracked process on one GPU (llmobs.gpu.nvml_source), about
+            # once a second. ts_ns is when the agent read it (CLOCK_MONOTONIC, like every other table).
+            # The process's own numbers (sm_util, mem_util: percent of NVML's last sample period; mem_used
+            # bytes) are NULL where NVML has none yet; gpu_* and device_* are the whole device's.
+            """CREATE TABLE gpu_samples (
+                ts_ns BIGINT NOT NULL,
+                pid INTEGER NOT NULL,
+                gpu_index INTEGER NOT NULL,
+                gpu_uuid VARCHAR,
+                gpu_name VARCHAR,
+                sm_util SMALLINT,
+                mem_util SMALLINT,
+                mem_used BIGINT,
+                gpu_util SMALLINT,
+                gpu_mem_util SMALLINT,
+                device_mem_used BIGINT,
+                device_mem_total BIGINT)""",
+            # Each token step with, per GPU its process was sampled on, the nearest sample taken at or
+            # before the step's end and at most 1.5 s before it (samples come once a second; a decode
+            # step is a few ms, so "a sample inside the step" would leave almost every step without one).
+            # Steps with no such sample are absent: LEFT JOIN it from token_steps to keep them.
+            """CREATE VIEW step_gpu AS
+                WITH gpus AS (SELECT DISTINCT pid, gpu_index FROM gpu_samples)
+                SELECT t.pid, t.step_seq, t.batch_row, t.trace_id, t.t_start_ns, t.t_end_ns,
+                    g.gpu_index, g.gpu_uuid, g.ts_ns AS sample_ns, g.sm_util, g.mem_util, g.mem_used,
+                    g.gpu_util, g.gpu_mem_util, g.device_mem_used, g.device_mem_total
+                FROM token_steps t JOIN gpus ON t.pid = gpus.pid
+                ASOF JOIN gpu_samples g
+                    ON g.pid = t.pid AND g.gpu_index = gpus.gpu_index AND g.ts_ns <= t.t_end_ns
+                WHERE t.t_end_ns - g.ts_ns <= 1500000000""",
         ),
     ),
 )
@@ -243,6 +279,7 @@ TIME_COLUMN: dict[str, str] = {
     "clock_fits": "ts_ns",
     "layer_streams": "ts_ns",
     "layer_modules": "ts_ns",
+    "gpu_samples": "ts_ns",
     "processes": "last_seen_ns",
 }
 
@@ -299,3 +336,19 @@ def table_columns(conn: duckdb.DuckDBPyConnection, table: str) -> dict[str, str]
         [table],
     ).fetchall()
     return dict(rows)
+
+
+def probe_class(probe: str) -> str:
+    """The probe_class macro above (migration 1) in Python, for the same columns without a database
+    (`top` and the report classify probes without a store at hand)."""
+    name = probe.lower()
+    for needle, cls in (("launch", "launch"), ("free", "free"), ("alloc", "alloc"), ("memcpy", "memcpy")):
+        if needle in name:
+            return cls
+    if "sched_switch" in name or "off_cpu" in name or "offcpu" in name:
+        return "offcpu"
+    if "fault" in name:
+        return "fault"
+    if "gemm" in name or "linear" in name or "::mm" in name:
+        return "compute"
+    return "other"

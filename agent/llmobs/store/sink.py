@@ -19,24 +19,23 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from llmobs import clock
+from llmobs import clock, environment
 from llmobs.errors import StoreError
 from llmobs.store import schema
 from llmobs.store.batches import TableLike, to_arrow
 
 DEFAULT_DB_PATH = Path("/var/lib/llmobs/llmobs.duckdb")
-DB_PATH_ENV = "LLMOBS_DB"  # overrides the default path; `--db` overrides both
+DB_PATH_ENV = environment.LLMOBS_DB  # overrides the default path; `--db` overrides both
 # DuckDB's buffer pool for an agent that writes the store: by default (80% of the host's RAM) DuckDB keeps
 # every block it wrote cached, so a store ingesting 50k events/s grew the agent's RSS by ~2 MB per
 # million rows for as long as it ran; capped, old blocks are evicted (they are on disk) and large queries
 # spill to disk instead.
 AGENT_MEMORY_LIMIT = "256MB"
-MEMORY_LIMIT_ENV = "LLMOBS_DUCKDB_MEMORY_LIMIT"  # overrides AGENT_MEMORY_LIMIT (a DuckDB size: '128MB')
 
 
 def agent_memory_limit() -> str:
     """The DuckDB memory limit of a store the agent writes: $LLMOBS_DUCKDB_MEMORY_LIMIT, else 256MB."""
-    return os.environ.get(MEMORY_LIMIT_ENV) or AGENT_MEMORY_LIMIT
+    return os.environ.get(environment.LLMOBS_DUCKDB_MEMORY_LIMIT) or AGENT_MEMORY_LIMIT
 
 
 def default_db_path() -> Path:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from llmobs.dataflow import SinkResult
 from llmobs.store.batches import TableLike, to_arrow
 from llmobs.store.ingest import EventDecoder
 from llmobs.store.sink import DuckDBStore
@@ -38,7 +39,9 @@ class WriterCounters:
 
 
 class StoreWriter:
-    """A bounded queue and one thread in front of a DuckDBStore."""
+    """A bounded queue and one thread in front of a DuckDBStore: the pipeline's journal sink."""
+
+    name = "store"
 
     def __init__(
         self,
@@ -153,8 +156,15 @@ class StoreWriter:
                 None if deadline is None else max(0.0, deadline - time.monotonic()),
             )
 
-    def close(self, timeout: float | None = 10.0) -> bool:
-        """Commit what is pending and stop the thread; False if it did not finish in time."""
+    def close(self, timeout: float | None = 10.0) -> SinkResult:
+        """Commit what is pending and stop the thread; falsy if it did not finish in time."""
         self._queue.put(_STOP)
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        c = self.counters
+        return SinkResult(
+            self.name,
+            accepted=c.committed_rows,
+            dropped={"queue_full": c.dropped_rows, "commit_failed": c.failed_rows},
+            error=self.store.counters.last_error,
+            finished=not self._thread.is_alive(),
+        )

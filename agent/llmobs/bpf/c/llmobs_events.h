@@ -1,0 +1,306 @@
+/* Shared definitions of the llmobs probe programs: the event record, the maps every program uses,
+ * and the tag / sample / record helpers. Included once, before the NAME.bpf.c programs, by the
+ * unit the agent assembles (agent/llmobs/bpf/program.py); user space mirrors the structs in
+ * agent/llmobs/bpf/records.py (a unit test checks the two agree). */
+#ifndef LLMOBS_EVENTS_H
+#define LLMOBS_EVENTS_H
+
+#include <uapi/linux/ptrace.h>
+#include "llmobs_abi.h"
+
+#ifndef LLMOBS_RING_BYTES
+#define LLMOBS_RING_BYTES (16 << 20)
+#endif
+#ifndef LLMOBS_AGG_ENTRIES
+#define LLMOBS_AGG_ENTRIES 65536
+#endif
+
+#define LLMOBS_KIND_MEM 0
+#define LLMOBS_KIND_GPU 1
+#define LLMOBS_KIND_HOST 2
+#define LLMOBS_KIND_COMPUTE 3
+
+#define LLMOBS_FLAG_TRACKED 1 /* the process has a context cell and it was read */
+#define LLMOBS_FLAG_TORN 2    /* the cell's seq stayed odd: tag may mix two steps */
+
+#define LLMOBS_SAMPLE_TRACE 0
+#define LLMOBS_SAMPLE_CPU 1
+
+/* indices of llmobs_counters */
+#define LLMOBS_CTR_RING_DROPS 0   /* bpf_ringbuf_reserve failed: a sample lost in the kernel */
+#define LLMOBS_CTR_AGG_OVERFLOW 1 /* llmobs_aggs full: an event not counted in the aggregates */
+#define LLMOBS_CTR_CTX_FAULTS 2   /* the context cell could not be read (page not present) */
+#define LLMOBS_CTR_TORN 3         /* the cell's seq was odd twice in a row */
+#define LLMOBS_CTR_START_LOST 4  /* an interval's start slot was taken by another thread, or a map full */
+#define LLMOBS_CTR_SAMPLED 5      /* events submitted to the ring */
+#define LLMOBS_NUM_COUNTERS 8
+
+/* One sampled event as it sits in the ring (64 bytes, no padding). */
+struct llmobs_event {
+    u32 pid;
+    u32 tid;
+    u32 cpu;
+    u16 probe;  /* index into the agent's probe table */
+    u8 kind;    /* LLMOBS_KIND_* */
+    u8 flags;   /* LLMOBS_FLAG_* */
+    u64 ts_ns;  /* bpf_ktime_get_ns(): CLOCK_MONOTONIC; for intervals, the start */
+    u64 step_seq;
+    u64 trace_id_hi;
+    u64 trace_id_lo;
+    u64 value;  /* bytes for alloc/free/memcpy, flops for GEMM, see docs/probes.md */
+    u64 duration_ns;
+};
+
+struct llmobs_agg_key {
+    u32 pid;
+    u32 probe;
+    u64 step_seq;
+};
+
+struct llmobs_agg_val {
+    u64 count;
+    u64 sum_value;
+    u64 sum_duration_ns;
+};
+
+/* The (trace id, step) a probe read from the target's context cell. */
+struct llmobs_tag {
+    u64 step_seq;
+    u64 trace_id_hi;
+    u64 trace_id_lo;
+    u32 flags;
+    u32 pad;
+};
+
+/* An interval opened at a call entry or a switch-out, closed by the return or switch-in. */
+struct llmobs_start {
+    u64 ts_ns; /* 0: the slot is free */
+    u64 value;
+    struct llmobs_tag tag;
+    u32 pid;
+    u32 tid;   /* the owner of the slot: checked at the close, slots are shared by hashing */
+    u32 probe;
+    u32 pad;
+};
+
+/* A target process and the address of its context cell in its own address space (0: no map, its
+ * events are untracked). An array slot rather than a hash entry: the host tracepoints ask "is this a
+ * target?" on every event of every process, and an array lookup is the cheapest answer. */
+#define LLMOBS_TARGET_SLOTS 4096
+struct llmobs_target {
+    u32 pid;
+    u32 pad;
+    u64 cell;
+};
+
+/* The sampling knobs, set by the agent. */
+struct llmobs_config {
+    u64 sample_n; /* N of the 1/N sampling (0 or 1 keeps everything) */
+    u64 mode;     /* LLMOBS_SAMPLE_* */
+};
+
+/* Start slots: (thread, probe) hashed into an array, not a hash map, because an array lookup costs
+ * a few ns where a hash update + lookup + delete costs ~150 ns, on every timed hit. Two threads
+ * whose (tid, probe) share a slot lose that interval, counted in LLMOBS_CTR_START_LOST. */
+#define LLMOBS_START_SLOTS (1 << 17)
+static __always_inline u32 llmobs_slot(u32 tid, u32 probe)
+{
+    return ((tid << 6) ^ probe) & (LLMOBS_START_SLOTS - 1);
+}
+
+/* The target processes, in slot tgid % LLMOBS_TARGET_SLOTS: pid and context-cell address. */
+BPF_ARRAY(llmobs_targets, struct llmobs_target, LLMOBS_TARGET_SLOTS);
+/* The sampling knobs: one entry, struct llmobs_config. */
+BPF_ARRAY(llmobs_config, struct llmobs_config, 1);
+/* Exact count / value sum / duration sum of ALL events per (pid, probe, step), per CPU. */
+BPF_PERCPU_HASH(llmobs_aggs, struct llmobs_agg_key, struct llmobs_agg_val, LLMOBS_AGG_ENTRIES);
+/* Loss and health counters, per CPU; indices LLMOBS_CTR_*. */
+BPF_PERCPU_ARRAY(llmobs_counters, u64, LLMOBS_NUM_COUNTERS);
+/* The per-CPU counter hashed by --sample-mode cpu. */
+BPF_PERCPU_ARRAY(llmobs_sample_ctr, u64, 1);
+/* Open intervals (timed calls, off-CPU), in slots hashed from (thread, probe): start time and tag. */
+BPF_ARRAY(llmobs_call_start, struct llmobs_start, LLMOBS_START_SLOTS);
+/* Live CPU allocations: pointer -> size, so free_cpu events carry the bytes they release. */
+BPF_HASH(llmobs_live_allocs, u64, u64, 262144);
+/* Sampled events to user space; submitted without wake-up, drained by the agent every ~20 ms. */
+BPF_RINGBUF_OUTPUT(llmobs_events, LLMOBS_RING_BYTES / 4096);
+
+static __always_inline void llmobs_count(u32 index)
+{
+    u64 *slot = llmobs_counters.lookup(&index);
+    if (slot)
+        *slot += 1;
+}
+
+/* splitmix64's finaliser: user space reproduces it (records.sample_hash) to predict trace keeps. */
+static __always_inline u64 llmobs_mix64(u64 x)
+{
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    x ^= x >> 31;
+    return x;
+}
+
+/* Reads (trace id, step) of process tgid from its context cell. Returns -1 when tgid is not a target. */
+static __always_inline int llmobs_read_tag(u32 tgid, struct llmobs_tag *tag)
+{
+    struct {
+        u64 seq;
+        u64 trace_id_hi;
+        u64 trace_id_lo;
+        u64 step_seq;
+    } cell;
+    u32 index = tgid & (LLMOBS_TARGET_SLOTS - 1);
+    struct llmobs_target *target = llmobs_targets.lookup(&index);
+
+    __builtin_memset(tag, 0, sizeof(*tag));
+    if (!target || target->pid != tgid || tgid == 0)
+        return -1;
+    if (target->cell == 0)
+        return 0;
+    if (bpf_probe_read_user(&cell, sizeof(cell), (void *)target->cell)) {
+        llmobs_count(LLMOBS_CTR_CTX_FAULTS);
+        return 0;
+    }
+    if (cell.seq & 1) {
+        /* the writer is mid-update: one re-read; its update is a handful of stores */
+        if (bpf_probe_read_user(&cell, sizeof(cell), (void *)target->cell) == 0 && (cell.seq & 1)) {
+            llmobs_count(LLMOBS_CTR_TORN);
+            tag->flags |= LLMOBS_FLAG_TORN;
+        }
+    }
+    tag->step_seq = cell.step_seq;
+    tag->trace_id_hi = cell.trace_id_hi;
+    tag->trace_id_lo = cell.trace_id_lo;
+    tag->flags |= LLMOBS_FLAG_TRACKED;
+    return 0;
+}
+
+/* The 1/N decision: by trace id (a request kept whole or not at all), else by a per-CPU counter. */
+static __always_inline int llmobs_keep(struct llmobs_tag *tag)
+{
+    u32 zero = 0;
+    struct llmobs_config *config = llmobs_config.lookup(&zero);
+    u64 *ctr;
+
+    if (!config || config->sample_n <= 1)
+        return 1;
+    if (config->mode == LLMOBS_SAMPLE_TRACE && (tag->trace_id_hi | tag->trace_id_lo))
+        return llmobs_mix64(tag->trace_id_hi ^ llmobs_mix64(tag->trace_id_lo)) % config->sample_n == 0;
+    /* cpu mode, and untracked events in trace mode (they have no trace to keep whole) */
+    ctr = llmobs_sample_ctr.lookup(&zero);
+    if (!ctr)
+        return 1;
+    *ctr += 1;
+    return llmobs_mix64(*ctr ^ ((u64)bpf_get_smp_processor_id() << 48)) % config->sample_n == 0;
+}
+
+/* Counts the event exactly in llmobs_aggs, then ships it to the ring if the sampler keeps it.
+ * ts_ns 0 means "now": read only for a kept event, since a clock read costs ~75 ns a hit here. */
+static __always_inline void llmobs_record(u32 pid, u32 tid, u16 probe, u8 kind, struct llmobs_tag *tag,
+                                          u64 ts_ns, u64 value, u64 duration_ns)
+{
+    struct llmobs_agg_key key = {.pid = pid, .probe = probe, .step_seq = tag->step_seq};
+    struct llmobs_agg_val *agg = llmobs_aggs.lookup(&key);
+    struct llmobs_event *ev;
+
+    if (!agg) {
+        struct llmobs_agg_val zero = {};
+        llmobs_aggs.update(&key, &zero);
+        agg = llmobs_aggs.lookup(&key);
+    }
+    if (agg) {
+        agg->count += 1;
+        agg->sum_value += value;
+        agg->sum_duration_ns += duration_ns;
+    } else {
+        llmobs_count(LLMOBS_CTR_AGG_OVERFLOW);
+    }
+
+    if (!llmobs_keep(tag))
+        return;
+    ev = llmobs_events.ringbuf_reserve(sizeof(*ev));
+    if (!ev) {
+        llmobs_count(LLMOBS_CTR_RING_DROPS);
+        return;
+    }
+    ev->pid = pid;
+    ev->tid = tid;
+    ev->cpu = bpf_get_smp_processor_id();
+    ev->probe = probe;
+    ev->kind = kind;
+    ev->flags = tag->flags;
+    ev->ts_ns = ts_ns ? ts_ns : bpf_ktime_get_ns();
+    ev->step_seq = tag->step_seq;
+    ev->trace_id_hi = tag->trace_id_hi;
+    ev->trace_id_lo = tag->trace_id_lo;
+    ev->value = value;
+    ev->duration_ns = duration_ns;
+    llmobs_events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
+    llmobs_count(LLMOBS_CTR_SAMPLED);
+}
+
+/* A point event of the current thread: tag, count, sample. */
+static __always_inline void llmobs_point(u16 probe, u8 kind, u64 value)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct llmobs_tag tag;
+
+    if (llmobs_read_tag(id >> 32, &tag) < 0)
+        return;
+    llmobs_record(id >> 32, (u32)id, probe, kind, &tag, 0, value, 0);
+}
+
+/* Opens an interval for (thread tid of process pid, probe) with this tag. Returns the slot or NULL. */
+static __always_inline struct llmobs_start *llmobs_open(u32 pid, u32 tid, u16 probe, u64 ts_ns, u64 value,
+                                                        struct llmobs_tag *tag)
+{
+    u32 index = llmobs_slot(tid, probe);
+    struct llmobs_start *slot = llmobs_call_start.lookup(&index);
+
+    if (!slot)
+        return 0;
+    if (slot->ts_ns && (slot->tid != tid || slot->probe != probe))
+        llmobs_count(LLMOBS_CTR_START_LOST); /* another thread's open interval: it loses its duration */
+    slot->ts_ns = ts_ns;
+    slot->value = value;
+    slot->tag = *tag;
+    slot->pid = pid;
+    slot->tid = tid;
+    slot->probe = probe;
+    return slot;
+}
+
+/* Closes the interval of (tid, probe), if this thread owns the slot: records it with its duration. */
+static __always_inline struct llmobs_start *llmobs_close(u32 tid, u16 probe, u8 kind, u64 now)
+{
+    u32 index = llmobs_slot(tid, probe);
+    struct llmobs_start *slot = llmobs_call_start.lookup(&index);
+
+    if (!slot || !slot->ts_ns || slot->tid != tid || slot->probe != probe)
+        return 0;
+    llmobs_record(slot->pid, tid, probe, kind, &slot->tag, slot->ts_ns, slot->value, now - slot->ts_ns);
+    slot->ts_ns = 0;
+    return slot;
+}
+
+/* Opens an interval for (current thread, probe): remembers time, value and tag. */
+static __always_inline void llmobs_call_enter(u16 probe, u64 value)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct llmobs_tag tag;
+
+    if (llmobs_read_tag(id >> 32, &tag) < 0)
+        return;
+    llmobs_open(id >> 32, (u32)id, probe, bpf_ktime_get_ns(), value, &tag);
+}
+
+/* Closes the interval opened by llmobs_call_enter and records it with its duration. */
+static __always_inline void llmobs_call_return(u16 probe, u8 kind)
+{
+    llmobs_close((u32)bpf_get_current_pid_tgid(), probe, kind, bpf_ktime_get_ns());
+}
+
+#endif

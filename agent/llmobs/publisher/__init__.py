@@ -1,0 +1,14 @@
+"""The workload side: what `import llmobs` puts inside the PyTorch program (llmobs/__init__.py maps the
+public names here lazily, so `import llmobs` alone loads neither torch nor numpy).
+
+request.py      llmobs.request / llmobs.context: one request's token steps into the shared-memory map
+hf.py           llmobs.instrument: the Hugging Face integration (generate() and forward(labels=...) hooks)
+device_math.py  the per-token metrics computed on the model's device (loss, entropy, p(target), rank)
+training.py     training mode: the dL/dE device ring and its dump on the agent's command
+layer_base.py   the shared base of the layer streams; attention.py and layers.py build on it
+attention.py    per-layer attention entropy
+layers.py       MLP output variance and llmobs.LayerStreams (every layer stream under one policy)
+
+This package imports only llmobs.shm and llmobs.cupti (and the bottom layer), never the agent side
+(the import contract in pyproject.toml holds it to that).
+"""

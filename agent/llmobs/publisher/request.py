@@ -1,0 +1,187 @@
+"""The in-process token-step publisher: requests, their trace ids, tenant/session context, steps.
+
+    with llmobs.request(input_ids, tenant="a", session="s1") as req:
+        for ...:
+            req.begin_step()            # before the forward pass: tags everything it does
+            logits = model(...)
+            req.step(logits, target_ids)
+
+Tenant and session come from context variables, so concurrent requests (threads, asyncio tasks)
+never mix. Nothing here ever raises into the workload once a request has started: a failure is
+counted in `errors` and the step is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+import warnings
+
+import numpy as np
+
+from llmobs.shm import layout
+from llmobs.shm.hashing import trace_id, trace_words
+from llmobs.shm.writer import get_writer
+
+_tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmobs_tenant", default=None)
+_session: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmobs_session", default=None)
+_active: contextvars.ContextVar[Request | None] = contextvars.ContextVar("llmobs_request", default=None)
+errors = 0  # steps skipped because publishing failed (the workload went on)
+_warned = False
+
+
+def _count_error(exc: BaseException) -> None:
+    global errors, _warned
+    errors += 1
+    if not _warned:
+        _warned = True
+        warnings.warn(f"llmobs: a token step could not be published ({exc!r}); continuing", stacklevel=3)
+
+
+@contextlib.contextmanager
+def context(tenant: str | None = None, session: str | None = None):
+    """Set the tenant and session for requests started inside this block (this thread/task only)."""
+    t1 = _tenant.set(tenant) if tenant is not None else None
+    t2 = _session.set(session) if session is not None else None
+    try:
+        yield
+    finally:
+        if t2 is not None:
+            _session.reset(t2)
+        if t1 is not None:
+            _tenant.reset(t1)
+
+
+def active_request() -> Request | None:
+    return _active.get()
+
+
+def prompt_rows(input_ids, attention_mask=None) -> list[np.ndarray]:
+    """The prompt tokens of each batch row on the host (padding removed where a mask says so)."""
+    ids = input_ids.detach().cpu().numpy() if hasattr(input_ids, "detach") else np.asarray(input_ids)
+    ids = ids.reshape(1, -1) if ids.ndim <= 1 else ids.reshape(ids.shape[0], -1)
+    if attention_mask is None:
+        return [row for row in ids.astype(np.int64)]
+    mask = attention_mask.detach().cpu().numpy() if hasattr(attention_mask, "detach") else attention_mask
+    mask = np.asarray(mask).reshape(ids.shape).astype(bool)
+    return [row[m].astype(np.int64) for row, m in zip(ids, mask, strict=True)]
+
+
+class Request:
+    """One request (a batch of prompts): its trace ids and the running step index."""
+
+    def __init__(self, input_ids, *, tenant=None, session=None, model_id=None, attention_mask=None):
+        self.writer = get_writer()
+        rows = prompt_rows(input_ids, attention_mask)
+        words = [trace_words(trace_id(r)) for r in rows]
+        self.trace_ids = [f"{hi:016x}{lo:016x}" for hi, lo in words]
+        self.trace_hi = np.array([w[0] for w in words], dtype=np.uint64)
+        self.trace_lo = np.array([w[1] for w in words], dtype=np.uint64)
+        self._hi_list = [w[0] for w in words]
+        self._lo_list = [w[1] for w in words]
+        self.batch = len(rows)
+        self.prompt_lens = np.array([len(r) for r in rows], dtype=np.int64)
+        self.batch_rows = np.arange(self.batch, dtype=np.int64)
+        w = self.writer
+        self.tenant = tenant if tenant is not None else _tenant.get()
+        self.session = session if session is not None else _session.get()
+        self.tenant_hash = w.name(layout.NAME_TENANT, self.tenant)
+        self.session_hash = w.name(layout.NAME_SESSION, self.session)
+        self.model_hash = w.name(layout.NAME_MODEL, model_id)
+        self.step_index = 0
+        self._step_seq = 0  # set by begin_step, cleared by step
+        self._t_start = 0
+        self._kv_len = -1
+        self._token = None
+
+    # --- context-manager use -----------------------------------------------------------------------
+    def __enter__(self) -> Request:
+        self._token = _active.set(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._token is not None:
+            _active.reset(self._token)
+            self._token = None
+        self.end()
+
+    def end(self) -> None:
+        """The request is over: the context cell goes back to "untracked", and on a GPU the request's
+        last steps are committed (one wait per request, never per step)."""
+        with contextlib.suppress(Exception):
+            self.writer.clear_context()
+            if self.writer._pending or self.writer._pending_layers:
+                self.writer.poll_pending(wait=True)
+
+    # --- steps -------------------------------------------------------------------------------------
+    @property
+    def in_step(self) -> bool:
+        return self._step_seq != 0
+
+    def begin_step(self, kv_len: int = -1) -> int:
+        """Call before the forward pass of a token step: stamps the context cell with a new step_seq."""
+        self._t_start = time.monotonic_ns()
+        self._kv_len = kv_len
+        self._step_seq = self.writer.begin_step(self._hi_list[0], self._lo_list[0], self.tenant_hash,
+                                                self.session_hash)  # fmt: skip
+        return self._step_seq
+
+    def step(
+        self, logits, target_ids=None, *, token_ids=None, all_valid: bool = False, flags: int = 0
+    ) -> None:
+        """Publish one token step: logits [B, V] (or [V], or [B, 1, V], or device_math.prepare(logits))
+        and the targets [B] if known."""
+        try:
+            from llmobs.publisher.device_math import Prepared, device_block
+
+            if not self._step_seq:
+                self.begin_step()
+            if isinstance(logits, Prepared):
+                like = logits.x
+            else:
+                if logits.dim() == 1:
+                    logits = logits.unsqueeze(0)
+                elif logits.dim() == 3:
+                    logits = logits[:, -1]
+                like = logits
+            targets = _as_tensor(target_ids, like)
+            block = device_block(logits, targets, _as_tensor(token_ids, like), all_valid=all_valid)
+            if targets is not None:
+                flags |= layout.FLAG_HAS_TARGET
+            n = block.shape[0]
+            w = self.writer
+            if n == self.batch:
+                hi, lo, rows, plen = self._hi_list, self._lo_list, self.batch_rows, self.prompt_lens
+            else:  # logits rows that are not the request's rows: attribute them all to row 0
+                hi, lo = [self._hi_list[0]] * n, [self._lo_list[0]] * n
+                rows, plen = np.arange(n), np.full(n, self.prompt_lens[0])
+            w.publish_steps(
+                block, step_seq=self._step_seq, t_start=self._t_start, t_end=time.monotonic_ns(),
+                trace_hi=hi, trace_lo=lo, tenant_hash=self.tenant_hash, session_hash=self.session_hash,
+                model_hash=self.model_hash, step=self.step_index, position=plen + self.step_index,
+                batch_row=rows, kv_len=self._kv_len, flags=flags,
+            )  # fmt: skip
+        except Exception as exc:  # never break the workload
+            _count_error(exc)
+        finally:
+            self.step_index += 1
+            self._step_seq = 0
+
+
+def _as_tensor(values, like):
+    if values is None:
+        return None
+    import torch
+
+    if isinstance(values, torch.Tensor):
+        return values.to(like.device, non_blocking=True).reshape(-1)
+    return torch.as_tensor(values, device=like.device).reshape(-1)
+
+
+def request(input_ids, *, tenant: str | None = None, session: str | None = None, model_id: str | None = None,
+            attention_mask=None) -> Request:  # fmt: skip
+    """Start a request: `with llmobs.request(input_ids, tenant="a", session="s1") as req: ...`."""
+    return Request(
+        input_ids, tenant=tenant, session=session, model_id=model_id, attention_mask=attention_mask
+    )

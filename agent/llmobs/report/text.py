@@ -1,0 +1,341 @@
+"""The demo's readable report, built from a store: per request a per-token table, the slowest steps and
+why they were slow (the probes that stand out against the median step), and the probes per step.
+
+Everything comes from the store's tables (token_steps, step_rollups, probe_aggregates), so the same
+report can be made from any store; `decode` turns a token id into its text (the tokenizer lives in the
+caller, which may not have one: ids are shown then).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from statistics import median
+
+import duckdb
+
+from llmobs.store.schema import probe_class
+
+# What a probe's excess over the median step means, in words (by probe class, see probe_class).
+_WHY = {
+    "offcpu": "off the CPU (descheduled by other work, or waiting)",
+    "compute": "the linear layers / matrix multiplies took longer",
+    "alloc": "more or slower memory allocations",
+    "free": "more memory frees",
+    "fault": "page faults: first touch of new memory",
+    "launch": "more GPU kernel launches",
+    "memcpy": "more host/device copies",
+    "other": "",
+}
+_BYTES = {"alloc", "free", "memcpy"}  # classes whose event value is a byte count
+SLOWEST = 5
+STANDS_OUT = 1.5  # a probe stands out when its count or time is this many times the median step's
+
+
+@dataclass
+class Token:
+    pid: int
+    step_seq: int
+    step: int
+    position: int
+    token_id: int
+    loss: float
+    entropy: float
+    target_prob: float
+    latency_ns: int
+    t_start_ns: int
+    allocations: int | None
+    alloc_bytes: int | None
+    off_cpu_ns: int | None
+    page_faults: int | None
+    compute_calls: int | None
+    text: str = ""
+    probes: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # probe -> count, value, ns
+
+
+@dataclass
+class Request:
+    pid: int
+    trace_id: str
+    tenant: str
+    session: str
+    model_id: str
+    tokens: list[Token] = field(default_factory=list)
+
+    @property
+    def mean_loss(self) -> float:
+        losses = [t.loss for t in self.tokens if not math.isnan(t.loss)]
+        return sum(losses) / len(losses) if losses else math.nan
+
+
+_STEPS_SQL = """
+SELECT t.pid, t.trace_id, t.tenant, t.session, t.model_id, t.step_seq, t.step, t.position, t.token_id,
+    t.loss, t.entropy, t.target_prob, t.latency_ns, t.t_start_ns, r.allocations, r.alloc_bytes, r.off_cpu_ns,
+    r.page_faults, r.compute_calls
+FROM token_steps t LEFT JOIN step_rollups r USING (pid, step_seq)
+WHERE coalesce(t.batch_row, 0) = 0
+ORDER BY t.pid, t.step_seq - coalesce(t.step, 0), t.step
+"""
+_PROBES_SQL = """
+SELECT pid, step_seq, probe, sum(count), sum(sum_value), sum(sum_duration_ns)
+FROM probe_aggregates WHERE step_seq <> 0 GROUP BY ALL
+"""
+# Off-CPU time of the thread that runs the forward pass (tid = pid: the workload's main thread). The
+# exact totals sum every thread of the process, and an idle intra-op pool thread is off-CPU the whole
+# step, which says nothing about why the step was slow; the sampled events keep the tid.
+MAIN_OFFCPU = "sched_switch (main thread)"
+_MAIN_OFFCPU_SQL = """
+SELECT pid, step_seq, sum(sample_ratio), sum(duration_ns * sample_ratio)
+FROM host_events WHERE probe = 'sched_switch' AND tid = pid AND step_seq <> 0 GROUP BY ALL
+"""
+
+
+def load_requests(
+    conn: duckdb.DuckDBPyConnection, decode: Callable[[int], str] | None = None
+) -> list[Request]:
+    """The store's requests in time order, each with its tokens (batch row 0) and their probe totals."""
+    probes: dict[tuple[int, int], dict[str, tuple[int, int, int]]] = {}
+    for pid, step_seq, probe, count, value, ns in conn.execute(_PROBES_SQL).fetchall():
+        probes.setdefault((pid, step_seq), {})[probe] = (int(count), int(value or 0), int(ns or 0))
+    main_offcpu = {
+        (pid, seq): (int(n), 0, int(ns)) for pid, seq, n, ns in conn.execute(_MAIN_OFFCPU_SQL).fetchall()
+    }
+    requests: list[Request] = []
+    for row in conn.execute(_STEPS_SQL).fetchall():
+        pid, trace, tenant, session, model = row[:5]
+        token = Token(pid, *row[5:])
+        token.loss = math.nan if token.loss is None else float(token.loss)
+        token.probes = dict(probes.get((pid, token.step_seq), {}))
+        if main_offcpu:  # the main thread's own off-CPU time, where the events say it (0 if none)
+            token.probes[MAIN_OFFCPU] = main_offcpu.get((pid, token.step_seq), (0, 0, 0))
+            token.off_cpu_ns = token.probes[MAIN_OFFCPU][2]
+        token.text = decode(token.token_id) if decode else f"#{token.token_id}"
+        last = requests[-1] if requests else None
+        new_request = (
+            last is None
+            or (last.pid, last.trace_id) != (pid, trace)
+            or token.step_seq - token.step != last.tokens[0].step_seq - last.tokens[0].step
+        )
+        if new_request:
+            requests.append(Request(pid, trace, tenant or "", session or "", model or ""))
+        requests[-1].tokens.append(token)
+    return requests
+
+
+def _show(text: str, width: int = 16) -> str:
+    """A token's text on one line: newlines and tabs visible, quoted, cut to width."""
+    shown = repr(text)[1:-1] if any(c in text for c in "\n\t\r") or not text.isprintable() else text
+    shown = f"'{shown}'"
+    return shown if len(shown) <= width else shown[: width - 2] + "…'"
+
+
+def _ms(ns: int | None) -> str:
+    return "-" if ns is None else f"{ns / 1e6:.1f}"
+
+
+def _num(value: float | None, spec: str = ",") -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+
+def _table(header: list[str], rows: list[list[str]], left: set[int] = frozenset()) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for r in [header, *rows]:
+        cells = [
+            str(c).ljust(w) if i in left else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  " + "  ".join(cells).rstrip())
+    return lines
+
+
+def request_table(request: Request) -> list[str]:
+    rows = [
+        [t.step, _show(t.text), _num(t.loss, ".3f"), _num(t.entropy, ".3f"), _num(t.target_prob, ".3f"),
+         _ms(t.latency_ns), _num(t.allocations), _num(t.compute_calls), _ms(t.off_cpu_ns),
+         _num(t.page_faults)]
+        for t in request.tokens
+    ]  # fmt: skip
+    header = ["step", "token", "loss", "entropy", "p(token)", "latency ms", "allocs", "compute", "off-CPU ms",
+              "faults"]  # fmt: skip
+    return _table(header, rows, left={1})
+
+
+def _medians(tokens: list[Token]) -> tuple[float, dict[str, tuple[float, float]]]:
+    """Median latency, and per probe the median (count, ns) over the given steps (absent = 0)."""
+    names = sorted({p for t in tokens for p in t.probes})
+    per_probe = {}
+    for name in names:
+        counts = [t.probes.get(name, (0, 0, 0))[0] for t in tokens]
+        times = [t.probes.get(name, (0, 0, 0))[2] for t in tokens]
+        per_probe[name] = (median(counts), median(times))
+    return median(t.latency_ns for t in tokens), per_probe
+
+
+def why_slow(token: Token, median_latency: float, medians: dict[str, tuple[float, float]]) -> list[str]:
+    """The reasons a step took longer than the median step, most time first."""
+    reasons: list[tuple[float, str]] = []
+    if token.step == 0:
+        reasons.append(
+            (
+                math.inf,
+                f"prefill: the request's first forward pass reads the whole {token.position}-token prompt",
+            )
+        )
+    excess = max(token.latency_ns - median_latency, 1.0)
+    for name, (count, _value, ns) in token.probes.items():
+        if name == "sched_switch" and MAIN_OFFCPU in token.probes:
+            continue  # all threads, idle pool threads included: the main thread's figure says more
+        med_count, med_ns = medians.get(name, (0.0, 0.0))
+        cls = probe_class(name)
+        timed_out = ns > STANDS_OUT * med_ns and ns - med_ns > 0.05 * excess
+        counted_out = count > STANDS_OUT * med_count + 1 and count - med_count >= 10
+        if not (timed_out or counted_out):
+            continue
+        what = _WHY.get(cls, "")
+        if timed_out:
+            detail = (
+                f"{name} {ns / 1e6:.1f} ms vs {med_ns / 1e6:.1f} ms median"
+                f" ({count:,} vs {med_count:,.0f} calls)"
+            )
+            weight = ns - med_ns
+        else:
+            detail = f"{name} {count:,} calls vs {med_count:,.0f} median"
+            weight = 0.0
+        reasons.append((weight, detail + (f": {what}" if what else "")))
+    reasons.sort(key=lambda r: -r[0])
+    if len(reasons) == (1 if token.step == 0 else 0):
+        reasons.append((0.0, "no probe stands out: the extra time went to work the probes do not see"))
+    return [text for _, text in reasons]
+
+
+def slowest_section(requests: list[Request], limit: int = SLOWEST) -> list[str]:
+    tokens = [t for r in requests for t in r.tokens]
+    if not tokens:
+        return []
+    owner = {id(t): (i, r) for i, r in enumerate(requests) for t in r.tokens}
+    median_latency, medians = _medians(tokens)
+    lines = [f"Slowest steps (median step {median_latency / 1e6:.1f} ms) and why:"]
+    for token in sorted(tokens, key=lambda t: -t.latency_ns)[:limit]:
+        index, request = owner[id(token)]
+        lines.append(
+            f"  request {index + 1} step {token.step} {_show(token.text)}: {token.latency_ns / 1e6:.1f} ms "
+            f"= {token.latency_ns / max(median_latency, 1):.1f}x the median"
+        )
+        lines += [f"      - {reason}" for reason in why_slow(token, median_latency, medians)]
+    return lines
+
+
+def _per_step_value(probe: str, value: float) -> str:
+    """What a probe's event value adds up to per step, in its unit: bytes, or FLOPs for a GEMM."""
+    cls = probe_class(probe)
+    if not value or (cls not in _BYTES and cls != "compute"):
+        return "-"
+    return f"{value / 1024:,.1f} KiB" if cls in _BYTES else f"{value / 1e6:,.1f} MFLOP"
+
+
+def probes_section(requests: list[Request]) -> list[str]:
+    tokens = [t for r in requests for t in r.tokens]
+    names = sorted({p for t in tokens for p in t.probes})
+    if not names:
+        return ["Probes per step: none recorded (no probe hit during the token steps)"]
+    rows = []
+    for name in names:
+        counts = [t.probes.get(name, (0, 0, 0))[0] for t in tokens]
+        values = sum(t.probes.get(name, (0, 0, 0))[1] for t in tokens)
+        times = sum(t.probes.get(name, (0, 0, 0))[2] for t in tokens)
+        total = sum(counts)
+        rows.append([
+            name, probe_class(name), f"{total / len(tokens):,.1f}", f"{min(counts):,}", f"{max(counts):,}",
+            _per_step_value(name, values / len(tokens)),
+            f"{times / total / 1e3:,.2f}" if total and times else "-",
+            f"{times / 1e6:,.1f}" if times else "-",
+        ])  # fmt: skip
+    header = ["probe", "class", "per step", "min", "max", "value/step", "us/call", "total ms"]
+    return [
+        f"Probes per step (exact kernel totals over {len(tokens)} token steps; main thread: its events):",
+        *_table(header, rows, {0, 1}),
+    ]
+
+
+_ANOMALIES_SQL = """
+SELECT pid, step_seq, trace_id, list(detector ORDER BY detector), max(score), any_value(evidence)
+FROM anomalies WHERE coalesce(batch_row, 0) = 0 AND kind LIKE 'loss_%'
+GROUP BY pid, step_seq, trace_id ORDER BY max(score) DESC
+"""
+
+
+def surprising_section(
+    conn: duckdb.DuckDBPyConnection, requests: list[Request], limit: int = SLOWEST, db: str | None = None
+) -> list[str]:
+    """The tokens the live loss detectors flagged (the `anomalies` table), each with its request, its
+    loss against the request's, the GPU/host evidence of its forward pass, and the `explain` command."""
+    try:
+        flagged = conn.execute(_ANOMALIES_SQL).fetchall()
+    except duckdb.Error:  # a store from before the anomalies columns (migration 4): nothing to show
+        return []
+    where = {(t.pid, t.step_seq): (i, r, t) for i, r in enumerate(requests) for t in r.tokens}
+    db_flag = f" --db {db}" if db else ""
+    lines = [
+        f"Surprising tokens ({len(flagged)} flagged live by the loss detectors: t-test and median/MAD of "
+        "each token's loss against its request's earlier tokens):"
+    ]
+    if not flagged:
+        return [*lines, "  none: no token's loss stood out from its request's earlier tokens"]
+    for pid, step_seq, trace_id, detectors, score, evidence in flagged[:limit]:
+        found = where.get((pid, step_seq))
+        if found is None:
+            continue
+        index, request, token = found
+        losses = sorted(t.loss for t in request.tokens if not math.isnan(t.loss))
+        summary = ""
+        if evidence:
+            try:
+                summary = json.loads(evidence).get("summary", "")
+            except ValueError:
+                summary = ""
+        lines += [
+            f"  request {index + 1} step {token.step} {token.text!r}: loss {token.loss:.3f} vs the request's "
+            f"median {losses[len(losses) // 2]:.3f}, p(token) {token.target_prob:.3f}; flagged by "
+            f"{', '.join(detectors)} (score {score:.1f})",
+            f"      - GPU/host: {summary or 'evidence not computed yet'}",
+            f"      - llmobs-agent explain{db_flag} --trace {trace_id[:16]} --step {token.step}",
+        ]
+    return lines
+
+
+def build_report(
+    conn: duckdb.DuckDBPyConnection,
+    decode: Callable[[int], str] | None = None,
+    header: list[str] | None = None,
+    requests: list[Request] | None = None,
+    db: str | None = None,
+) -> str:
+    requests = load_requests(conn, decode) if requests is None else requests
+    lines = list(header or [])
+    for index, request in enumerate(requests):
+        latencies = sorted(t.latency_ns for t in request.tokens)
+        text = "".join(t.text for t in request.tokens)
+        lines += [
+            "",
+            f"Request {index + 1}/{len(requests)}  tenant {request.tenant}  session {request.session}  "
+            f"trace {request.trace_id[:16]}  {len(request.tokens)} tokens  "
+            f"mean loss {request.mean_loss:.3f}  "
+            f"p50 {latencies[len(latencies) // 2] / 1e6:.1f} ms",
+            f"  generated: {text!r}" if decode else "  (token ids: no tokenizer given)",
+            *request_table(request),
+        ]
+    lines += [
+        "",
+        "(allocs, compute (linear/GEMM calls), faults: exact kernel counts per forward pass; off-CPU: the",
+        " main thread's time descheduled or waiting during the step, from its sched_switch events)",
+        "",
+        *slowest_section(requests),
+        "",
+        *surprising_section(conn, requests, db=db),
+        "",
+        *probes_section(requests),
+    ]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,389 @@
+"""The agent runtime: the one loop that drains the ring, feeds every target's pipeline, ticks the
+governor and the self-telemetry, and detaches targets that exit.
+
+Every command that attaches is this Agent: `attach` and `demo` give it one target whose AttachSession
+owns its program and ring; `run` (the daemon) gives it the targets discovery finds, all sharing one
+program whose ring the Agent drains once per tick and routes by pid (daemon/fleet.py builds them).
+What a command adds on top — its status line, its progress, discovery and reload — it runs as periodic
+tasks of `run()`, so there is one drain loop and one governor wiring for all of them.
+
+Failure policy: the governor, the telemetry and the NVML source are bookkeeping: a failure in one is
+logged once (by name) and never stops the data path. A pipeline that fails to close is reported in the
+Detached it returns, and the other targets go on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from llmobs.bpf.records import EVENT_DTYPE
+from llmobs.dataflow import CompositeSink, Sink
+
+# The ring is submitted without wake-ups; it is drained every 20 ms while events flow fast, and every
+# 50 ms while a drain brings less than 1% of the ring: fewer wake-ups of the agent, which on a busy host
+# take a core from the workload. Not longer: a loss spike's anomaly row must be stored < 200 ms after
+# the spike even at p99 (docs/diagnostics.md), and a sparse ring is exactly when the spike's step may
+# wait a whole period (measured: bench/drain_idle, docs/daemon.md).
+DRAIN_PERIOD_S = (0.02, 0.05)
+SLOW_TICK_S = 1.0  # target exits, the governor, the self-telemetry and NVML run once a second
+CLOSE_TIMEOUT_S = 30.0
+
+_NO_EVENTS = np.empty(0, dtype=EVENT_DTYPE)
+
+
+@dataclass
+class Target:
+    """One attached process: its probes (session), its store path (pipeline, None without a store) and
+    any extra sinks of its raw events (attach --out's Parquet file, attach's status line)."""
+
+    session: object  # llmobs.bpf.session.AttachSession
+    pipeline: object | None = None  # llmobs.pipeline.Pipeline
+    sinks: CompositeSink = field(default_factory=CompositeSink)
+    shared: bool = False  # its events come from the Agent's shared ring, not its session's own
+    key: object = None  # what the caller knows it by (the daemon: its discovery Proc)
+    attached_at: float = field(default_factory=time.monotonic)
+    events: int = 0  # sampled events routed to it
+
+    @property
+    def pid(self) -> int:
+        return self.session.pid
+
+
+@dataclass
+class Detached:
+    """What removing a target left: its last events, its final totals and the pipeline's summary."""
+
+    target: Target
+    events: np.ndarray
+    final: dict
+    summary: object | None  # llmobs.pipeline.PipelineSummary
+    reason: str
+
+
+@dataclass
+class Task:
+    """Work a command runs inside the loop every `period_s` (0: every iteration)."""
+
+    period_s: float | Callable[[], float]
+    run: Callable[[float], None]
+    next_at: float = 0.0
+
+    def due(self, now: float) -> bool:
+        if now < self.next_at:
+            return False
+        period = self.period_s() if callable(self.period_s) else self.period_s
+        self.next_at = now + period
+        return True
+
+
+class Agent:
+    """One runtime for a set of targets. Drive it with `run(stop, tasks)`, or `poll()` yourself; end it
+    with `close()`, which detaches every target with its final totals, finishes the exporter and
+    closes the store when the Agent owns it."""
+
+    def __init__(
+        self,
+        *,
+        store=None,
+        owns_store: bool = False,
+        ring=None,
+        ring_records: int = 0,
+        exporter=None,
+        budget: float | None = None,
+        cost_scale: float | None = None,
+        log: Callable[[str], None] = lambda _line: None,
+        on_detach: Callable[[Detached], None] | None = None,
+        presence=None,
+        nvml: bool = True,
+    ):
+        self.store = store
+        self.owns_store = owns_store
+        self.ring = ring  # a shared RingConsumer (the daemon's fleet), or None: each session drains its own
+        self.ring_records = ring_records  # how many events the shared ring holds when full
+        self.exporter = exporter
+        self.log = log
+        self.on_detach = on_detach
+        # the marker that tells a workload exiting with unread steps to leave its map for us
+        # (llmobs.shm.presence): announced by the command before its first attach, withdrawn at close
+        self.presence = presence
+        self.targets: dict[int, Target] = {}
+        self.unrouted = 0  # shared-ring events of a pid that is no longer a target
+        self.hook_errors: dict[str, str] = {}  # bookkeeping that failed, by name (status shows it)
+        self.last_sample: dict | None = None  # the self-telemetry's last reading
+        self.cost_scale = cost_scale
+        self.exporter_counters = None  # what the exporter's finish() reported at close
+        self.store_error: str | None = None  # the store's close failure, if any
+        self.governor = None
+        self.telemetry = None
+        self._next_slow = 0.0
+        self._closed = False
+        self._start_overhead_hooks(budget)
+        self.nvml = self._start_nvml() if nvml else None
+
+    # ---- the governor, the self-telemetry and NVML: bookkeeping, never in the data path's way --------
+    def _start_overhead_hooks(self, budget: float | None) -> None:
+        """budget None: this command runs no governor (demo); 0: the user turned it off (said once)."""
+        from llmobs.governor import SelfTelemetry
+
+        self.governor = self.guard("governor", self._new_governor, budget) if budget else None
+        if budget == 0:
+            self.log("governor: off (overhead.budget = 0): no probe is ever shed")
+        self.telemetry = self.guard("telemetry", SelfTelemetry, self.governor)
+        if self.telemetry is not None and self.exporter is not None:
+            self.telemetry.track_exporter(self.exporter)
+
+    def _new_governor(self, budget: float):
+        from llmobs.governor import Governor
+
+        scale = {} if self.cost_scale is None else {"cost_scale": self.cost_scale}
+        return Governor(budget, log=self.log, **scale)
+
+    def set_budget(self, budget: float) -> None:
+        """A new overhead budget: the governor re-budgeted, turned off (its shed probes re-attached) or
+        on (tracking every current target)."""
+        if self.governor is not None and budget > 0:
+            self.guard("governor", self.governor.set_budget, budget)
+            return
+        if self.governor is not None:
+            self.guard("governor", self.governor.release_all)
+            self.governor = None
+            self.log("governor: off (overhead.budget = 0): every shed probe re-attached")
+        elif budget > 0:
+            self.governor = self.guard("governor", self._new_governor, budget)
+            for target in self.targets.values() if self.governor is not None else ():
+                self.guard("governor", self.governor.track, target.session)
+        if self.telemetry is not None:
+            self.telemetry.governor = self.governor
+
+    def set_cost_scale(self, cost_scale: float) -> None:
+        self.cost_scale = cost_scale
+        if self.governor is not None:
+            self.governor.cost_scale = cost_scale
+
+    def _start_nvml(self):
+        """The NVML source (GPU utilisation and memory of each target, once a second). A host without a
+        GPU says so in one line and the source stays quiet."""
+        try:
+            from llmobs.gpu.nvml_source import NvmlSource
+        except ImportError as exc:
+            self.hook_errors["nvml"] = f"not available in this build ({exc})"
+            return None
+        return self.guard("nvml", lambda: NvmlSource(say=self.log))  # it says each status line once
+
+    def guard(self, name: str, call: Callable, *args):
+        """Calls into bookkeeping; a failure is logged once per name and never stops the agent."""
+        try:
+            return call(*args)
+        except Exception as exc:
+            if name not in self.hook_errors:
+                self.log(f"{name}: {type(exc).__name__}: {exc}")
+            self.hook_errors[name] = str(exc)
+            return None
+
+    def use_ring(self, ring, ring_records: int) -> None:
+        """A new shared ring (the daemon rebuilt its program on a reload); the targets were removed."""
+        self.ring, self.ring_records = ring, ring_records
+
+    def sweep_maps(self, accept_uid: Callable[[int], bool] | None = None) -> tuple[list[str], int]:
+        """Maps left in /dev/shm by processes that are gone. With a store and `accept_uid` (whose maps
+        this agent would have observed: the daemon's selectors), their unread token steps are stored
+        first (a process may exit before it was ever attached); then each map is removed. Returns (the
+        maps removed, the token steps stored from them). Never raises."""
+        from llmobs.pipeline.leftovers import ingest_stale_maps
+        from llmobs.shm.reader import remove_stale_maps
+
+        skip = set(self.targets)  # their own pipelines drain and remove their maps
+        try:
+            if self.store is None or accept_uid is None:
+                return remove_stale_maps(skip_pids=skip), 0
+            left = ingest_stale_maps(self.store, skip_pids=skip, accept_uid=accept_uid)
+        except OSError:  # no /dev/shm, or not ours to list: nothing to tidy
+            return [], 0
+        return [m.path for m in left], sum(m.steps for m in left)
+
+    # ---- targets ----------------------------------------------------------------------------------
+    def add(
+        self, session, pipeline=None, *, sinks: Iterable[Sink] = (), shared: bool = False, key=None
+    ) -> Target:
+        """Takes a started session (and its pipeline) into the loop: governed, measured, drained."""
+        target = Target(session, pipeline, CompositeSink(sinks), shared=shared, key=key)
+        self.targets[target.pid] = target
+        if self.governor is not None:
+            self.guard("governor", self.governor.track, session)
+        if self.telemetry is not None:
+            self.guard("telemetry", self.telemetry.track_session, session)
+            if pipeline is not None:
+                self.guard("telemetry", self.telemetry.track_pipeline, pipeline)
+        if self.nvml is not None and pipeline is not None:
+            self.guard("nvml", self.nvml.track, target.pid)
+        return target
+
+    def remove(self, pid: int, reason: str) -> Detached:
+        """Detaches pid's probes, hands its sinks and pipeline the last events and the exact final totals,
+        commits and correlates its data. The other targets keep running."""
+        target = self.targets.pop(pid)
+        if self.governor is not None:
+            self.guard("governor", self.governor.untrack, target.session)
+        events, final = target.session.close()  # detach first: nothing of pid enters the ring after this
+        if target.shared:  # the shared ring may still hold pid's last events, and the others'
+            routed = self._route(self.ring.drain() if self.ring is not None else _NO_EVENTS, also=pid)
+            for other_pid, other in self.targets.items():
+                if other_pid in routed:
+                    self._hand(other, routed[other_pid])
+            events = routed.get(pid, _NO_EVENTS)
+        target.events += len(events)
+        if len(events):
+            target.sinks.submit(events)
+        sinks = target.sinks.close(CLOSE_TIMEOUT_S)
+        user_drops = sum(sinks.dropped.values())
+        if user_drops:  # events a sink of ours could not keep count as the agent's own drops
+            target.session.stats.user_drops += user_drops
+            final.setdefault("counters", {})["user_drops"] = target.session.stats.user_drops
+        summary = None
+        if target.pipeline is not None:
+            try:
+                summary = target.pipeline.close(events, final)
+            except Exception as exc:  # one pipeline's failure must not take the others down
+                final.setdefault("problems", []).append(f"pipeline close: {exc}")
+        if self.telemetry is not None:
+            self.guard("telemetry", self.telemetry.untrack_session, target.session, final)
+            if target.pipeline is not None:
+                self.guard("telemetry", self.telemetry.untrack_pipeline, target.pipeline)
+        if self.nvml is not None:
+            self.guard("nvml", self.nvml.untrack, pid)
+        detached = Detached(target, events, final, summary, reason)
+        if self.on_detach is not None:
+            self.on_detach(detached)
+        return detached
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    @property
+    def busy_events(self) -> int:
+        """A drain of 1% of the ring or more: events flow fast, drain again after the short period."""
+        if self.ring is not None:
+            return max(self.ring_records // 100, 1)
+        records = [t.session.ring_records for t in self.targets.values()]
+        return max(min(records) // 100, 1) if records else 1
+
+    def period(self, drained: int) -> float:
+        return DRAIN_PERIOD_S[drained < self.busy_events]
+
+    def poll(self) -> int:
+        """Drains once: every target's events to its sinks and pipeline, its map's steps into the
+        store; once a second the slow tick. Returns the number of events drained."""
+        drained = 0
+        routed: dict[int, np.ndarray] = {}
+        if self.ring is not None:
+            events = self.ring.drain()
+            drained += len(events)
+            routed = self._route(events)
+        for target in list(self.targets.values()):
+            if target.shared:
+                mine = target.session.poll(routed.get(target.pid, _NO_EVENTS))
+            else:
+                mine = target.session.poll()
+                drained += len(mine)
+            self._hand(target, mine)
+        now = time.monotonic()
+        if now >= self._next_slow:
+            self._next_slow = now + SLOW_TICK_S
+            self._slow_tick(now)
+        return drained
+
+    def _hand(self, target: Target, events: np.ndarray) -> None:
+        target.events += len(events)
+        if len(events):
+            target.sinks.submit(events)
+        if target.pipeline is not None:
+            target.pipeline.poll(events)
+
+    def _route(self, events: np.ndarray, also: int | None = None) -> dict[int, np.ndarray]:
+        if not len(events):
+            return {}
+        pids = events["pid"]
+        routed = {}
+        for pid in [*self.targets, *([also] if also is not None else [])]:
+            mask = pids == pid
+            if mask.any():
+                routed[pid] = events[mask]
+        self.unrouted += len(events) - sum(len(v) for v in routed.values())
+        return routed
+
+    def _slow_tick(self, now: float) -> None:
+        for pid, target in list(self.targets.items()):
+            if not target.session.target_alive():
+                self.remove(pid, "target exited")
+        if self.governor is not None:
+            self.guard("governor", self.governor.tick, now)
+        if self.telemetry is not None:
+            self.last_sample = self.guard("telemetry", self.telemetry.sample)
+        if self.last_sample is not None:
+            self._publish_sample(self.last_sample)
+        if self.nvml is not None and any(t.pipeline is not None for t in self.targets.values()):
+            self.guard("nvml", self._poll_nvml)  # samples go to a store: none without one
+
+    def _publish_sample(self, sample: dict) -> None:
+        """The agent's own numbers to `top` (each target's snapshot) and to OTLP (llmobs.agent.*)."""
+        from llmobs.governor.telemetry import agent_metrics, top_fields
+
+        for pid, target in self.targets.items():
+            if target.pipeline is None:
+                continue
+            state = self.guard("governor", self.governor.target_state, pid) if self.governor else None
+            target.pipeline.live.agent = self.guard("telemetry", top_fields, sample, state)
+        if self.exporter is not None:
+            self.guard("telemetry", self.exporter.metrics.set_agent_metrics, agent_metrics(sample))
+
+    def _poll_nvml(self) -> None:
+        from llmobs.gpu.nvml_source import split_by_pid
+
+        batch = self.nvml.poll()  # "no GPU" is a status line (said once by the source), not an error
+        if batch is None:
+            return
+        for pid, rows in split_by_pid(batch).items():
+            target = self.targets.get(pid)
+            if target is not None and target.pipeline is not None:
+                target.pipeline.add_gpu_samples(rows)
+
+    def run(self, stop: Callable[[], object], tasks: Iterable[Task] = (), wait=time.sleep) -> None:
+        """The loop: the due tasks, one drain, then a wait of the drain period, until `stop()` is truthy.
+        `wait(seconds)` may return early (the daemon's signal pipe wakes it)."""
+        tasks = list(tasks)
+        while not stop():
+            now = time.monotonic()
+            for task in tasks:
+                if task.due(now):
+                    task.run(now)
+                    if stop():
+                        return
+            drained = self.poll()
+            if stop():
+                return
+            wait(self.period(drained))
+
+    def close(self, reason: str = "agent stopping") -> list[Detached]:
+        """Removes every target (final totals, commit, correlate), then finishes the exporter while the
+        store is still open, then closes the store if it is ours. Idempotent."""
+        if self._closed:
+            return []
+        self._closed = True
+        detached = [self.remove(pid, reason) for pid in list(self.targets)]
+        if self.exporter is not None:
+            self.exporter_counters = self.guard("otlp", self.exporter.finish)
+        if self.nvml is not None:
+            self.guard("nvml", self.nvml.close)
+        if self.presence is not None:
+            self.guard("presence", self.presence.close)
+        if self.store is not None and self.owns_store:
+            result = self.store.shutdown(CLOSE_TIMEOUT_S)
+            if not result.ok:
+                self.log(f"store close: {result.error}")
+                self.store_error = result.error
+        return detached
+
+    def counters(self) -> dict[str, int]:
+        return {"unrouted": self.unrouted, "targets": len(self.targets)}

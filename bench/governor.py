@@ -1,0 +1,241 @@
+"""Benchmark of the overhead governor: tokens/s of a real workload with no agent, with the agent and
+its governor off, and with the governor at a 1% budget, interleaved round by round; the governor's
+estimated slowdown against the measured one; and the start-up calibration's time.
+
+Configurations (each round runs all of them, in turn, on the same workload process):
+
+  none      no agent
+  off       `attach --profile P --overhead-budget 0`     every probe stays attached, nothing estimated
+  estimate  `attach --profile P --overhead-budget 1`     every probe stays attached; the governor estimates
+  budget    `attach --profile P --overhead-budget 0.01`  the governor sheds what a 1% budget does not allow
+
+In each agent round the agent attaches, a warm-up generation lets the governor see the hit rates (and
+shed), then the measured generation runs, then the agent is stopped (SIGINT) and its summary parsed:
+the governor's estimate at detach covers the measured phase (window 5 s). Measured slowdown =
+tokens/s(none) / tokens/s(config) - 1, medians over rounds; the ratio estimate / measured says how well
+the cost model predicts the real cost.
+
+Run as root: `.venv/bin/python -m bench.governor [--model tiny|smollm2] [--rounds 5] [--json PATH]`.
+The machine is shared and noisy: read the ratios (bench/harness.py, with 95% intervals), not the
+absolute numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.harness import Arm, Report, add_json_option
+
+ROOT = Path(__file__).resolve().parents[1]
+AGENT = [sys.executable, "-m", "llmobs.cli", "attach"]
+REQUEST_TOKENS = 32
+CONFIGS = {"none": None, "off": "0", "estimate": "1", "budget": "0.01"}  # overhead budget fractions
+
+
+# ---- the workload process (this module with --target) --------------------------------------------------
+def run_target(model_name: str, threads: int) -> int:
+    """An instrumented model answering `gen TOKENS` with `tokens_per_s cpu_ms_per_token` (requests of 32
+    tokens; the CPU time is the process's, user + system, all threads: the traps are charged there)."""
+    import llmobs
+    import torch
+    from llmobs.workloads import generate as workload  # PROMPTS, generate_once, load_model
+
+    torch.set_num_threads(threads)
+    model, tokenizer, model_id = workload.load_model(model_name)
+    llmobs.instrument(model, tokenizer, model_id=model_id)
+    workload.generate_once(model, tokenizer, [workload.PROMPTS[0]], 4)  # warm-up
+    print("ready", flush=True)
+    for line in sys.stdin:
+        tokens = int(line.split()[1])
+        began, cpu_began, done, index = time.perf_counter(), time.process_time(), 0, 0
+        while done < tokens:  # requests of REQUEST_TOKENS (the tiny model's context is short)
+            step = min(REQUEST_TOKENS, tokens - done)
+            with llmobs.context(tenant="bench", session=f"bench-{index}"):
+                workload.generate_once(
+                    model, tokenizer, [workload.PROMPTS[index % len(workload.PROMPTS)]], step
+                )
+            done, index = done + step, index + 1
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu_began  # cpu: all threads, user+sys
+        print(tokens / wall, cpu / tokens * 1000, flush=True)
+    return 0
+
+
+class Target:
+    def __init__(self, model: str, threads: int):
+        command = [
+            sys.executable,
+            "-m",
+            "bench.governor",
+            "--target",
+            "--model",
+            model,
+            "--threads",
+            str(threads),
+        ]
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
+        )
+        self.pid = self.proc.pid
+        assert self._line(600) == "ready"
+
+    def _line(self, timeout: float) -> str:
+        readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not readable:
+            raise TimeoutError("the workload did not answer")
+        return self.proc.stdout.readline().strip()
+
+    def generate(self, tokens: int) -> tuple[float, float]:
+        self.proc.stdin.write(f"gen {tokens}\n")
+        self.proc.stdin.flush()
+        rate, cpu_ms = self._line(600).split()
+        return float(rate), float(cpu_ms)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+class Agent:
+    """`llmobs-agent attach` on the target; stderr read line by line with bounded waits."""
+
+    def __init__(self, pid: int, profile: str, budget: str):
+        args = [*AGENT, "--pid", str(pid), "--profile", profile, "--overhead-budget", budget]
+        self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        self.text = ""
+
+    def wait_for(self, needle: str, timeout: float = 120.0) -> None:
+        fd = self.proc.stderr.fileno()
+        deadline = time.monotonic() + timeout
+        while needle not in self.text:
+            readable, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            chunk = os.read(fd, 65536) if readable else b""
+            if not chunk:
+                raise RuntimeError(f"agent: no {needle!r}:\n{self.text}")
+            self.text += chunk.decode()
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=120)
+        self.text += err.decode()
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"agent exited {self.proc.returncode}:\n{self.text}")
+        return self.text
+
+
+def _percent(pattern: str, text: str) -> float | None:
+    match = re.search(pattern, text)
+    return float(match.group(1)) / 100 if match else None
+
+
+def one_round(target: Target, config: str, profile: str, warm: int, tokens: int) -> dict:
+    agent = None
+    if CONFIGS[config] is not None:
+        agent = Agent(target.pid, profile, CONFIGS[config])
+        agent.wait_for("attached in")
+    target.generate(warm)  # the governor sees the rates and sheds here
+    rate, cpu_ms = target.generate(tokens)
+    result = {"tokens_per_s": rate, "cpu_ms_per_token": cpu_ms}
+    if agent is not None:
+        text = agent.stop()
+        result["estimate"] = _percent(r"estimated slowdown at detach ([\d.]+)%", text)
+        result["shed"] = re.findall(r"\) shed(?:-last)? (\w+):", text)
+        calibration = re.search(r"calibration \((\w+), (\d+) ms\)", text)
+        if calibration:
+            result["calibration_ms"] = int(calibration.group(2))
+    return result
+
+
+def measure_calibration(repeats: int, report: Report) -> None:
+    """The class measurement alone (no handlers), in this process, `repeats` times."""
+    from llmobs.bpf import calibrate
+
+    def once(ctx) -> dict[str, float]:
+        calibrate.reset_cache()
+        took = calibrate.measure(None, []).took_s * 1000
+        calibrate.wait_released()
+        return {"ms": took}
+
+    report.compare("calibration (classes only, in-process)", [Arm("calibrate.measure", once)], repeats,
+                   metrics=["ms"])  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the workload (default 1)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--profile", default="cpu,host,mem,gemm")
+    parser.add_argument("--tokens", type=int, help="measured tokens per round (default: ~6 s of generation)")
+    add_json_option(parser)
+    args = parser.parse_args()
+    if args.target:
+        return run_target(args.model, args.threads)
+    if os.geteuid() != 0:
+        print("error: run as root (attach needs it)\nhint: sudo .venv/bin/python -m bench.governor",
+              file=sys.stderr)  # fmt: skip
+        return 4
+    report = Report("governor", args)
+    measure_calibration(5, report)
+
+    target = Target(args.model, args.threads)
+    shed: dict[str, set[str]] = {name: set() for name in CONFIGS}
+    try:
+        probe_rate, _ = target.generate(16)
+        tokens = args.tokens or max(int(probe_rate * 6), 16)
+        warm = max(tokens // 2, int(probe_rate * 3), 8)  # >= 3 s: the governor's window must see the load
+        report.note(f"workload {args.model} ({args.threads} thread(s)), pid {target.pid}: {probe_rate:.1f} "
+                    f"tokens/s unprobed; rounds of {warm} warm-up + {tokens} measured tokens; "
+                    f"profile {args.profile}")  # fmt: skip
+
+        def config_arm(config: str) -> Arm:
+            def once(ctx) -> dict[str, float]:
+                result = one_round(target, config, args.profile, warm, tokens)
+                shed[config].update(result.pop("shed", []))
+                return {k: v for k, v in result.items() if v is not None}
+
+            return Arm(config, once)
+
+        made = report.compare(
+            "tokens/s and workload CPU per token by agent configuration",
+            [config_arm(c) for c in CONFIGS], args.rounds, baseline="none",
+            better={"tokens_per_s": "higher", "cpu_ms_per_token": "lower"},
+            metrics=["tokens_per_s", "cpu_ms_per_token", "estimate", "calibration_ms"],
+        )  # fmt: skip
+    finally:
+        target.close()
+
+    report.note(
+        "slowdown (wall) = tokens/s(none) / tokens/s - 1: what the user sees, agent CPU contention included"
+    )
+    report.note(
+        "slowdown (cpu)  = workload CPU per token / CPU per token(none) - 1: the probes' cost in the workload"
+    )
+    base, base_cpu = made.median("none", "tokens_per_s"), made.median("none", "cpu_ms_per_token")
+    columns = ("slow wall", "slow cpu", "estimated", "est/wall", "est/cpu")
+    report.note(f"{'config':<9} " + " ".join(f"{c:>9}" for c in columns) + "  shed")
+    for config in CONFIGS:
+        wall_slow = base / made.median(config, "tokens_per_s") - 1
+        cpu_slow = made.median(config, "cpu_ms_per_token") / base_cpu - 1
+        estimate = made.median(config, "estimate") if made.values(config, "estimate") else None
+        ratio = {name: f"{estimate / m:.2f}" if estimate is not None and m > 0.005 else "-"
+                 for name, m in (("wall", wall_slow), ("cpu", cpu_slow))}  # fmt: skip
+        est_text = f"{estimate:.2%}" if estimate is not None else "-"
+        report.note(f"{config:<9} {wall_slow:>9.2%} {cpu_slow:>9.2%} {est_text:>9} {ratio['wall']:>9} "
+                    f"{ratio['cpu']:>9}  {','.join(sorted(shed[config])) or '-'}")  # fmt: skip
+    report.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Benchmark the OTLP exporter against a real rotel collector on loopback: spans/s, agent CPU per 1k spans.
+
+The store is filled once (synthetic token steps with eBPF events and rollups, records.md columns); each
+round resets the export cursor and exports everything again, the modes interleaved by bench/harness.py
+so that the noise of this shared 2-core machine hits them alike:
+
+  grpc        OTLP/gRPC to rotel
+  http        OTLP/HTTP (protobuf) to rotel
+  encode-only the same loop with a transport that acknowledges without sending: the store read +
+              encoding share of the cost, to see what the wire adds
+  grpc 1/10   gRPC with --sample 10: spans of 1 request in 10 (every step still read, metrics exact)
+
+CPU is this process's CPU time (user + system, every thread, DuckDB's included) per 1,000 spans; rotel's
+own CPU is shown for reference. Ratios are to encode-only.
+
+    .venv/bin/python -m bench.otlp [--steps N] [--rounds R] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+from llmobs import clock
+from llmobs.otlp.config import resolve
+from llmobs.otlp.delivery import OtlpExporter
+from llmobs.otlp.source import DDL
+from llmobs.otlp.transport import SendResult, Transport
+from llmobs.pipeline import correlate
+from llmobs.store import synthetic
+from llmobs.store.sink import DuckDBStore
+
+from bench.harness import Arm, Report, add_json_option
+from bench.rotel_harness import Rotel
+
+
+class AckTransport(Transport):
+    """Acknowledges without sending, after serialising (the wire format is part of the encode cost)."""
+
+    def send_traces(self, request):
+        request.SerializeToString()
+        return SendResult(ok=True)
+
+    def send_metrics(self, request):
+        request.SerializeToString()
+        return SendResult(ok=True)
+
+
+def build_store(path: Path, steps: int, tokens: int, batch_rows: int) -> int:
+    requests = max(steps // tokens, 1)
+    store = DuckDBStore(path)
+    table = synthetic.token_steps(
+        4242,
+        requests,
+        tokens,
+        batch_rows=batch_rows,
+        start_ns=max(clock.monotonic_ns() - 300_000_000_000, 1_000_000_000),
+    )
+    store.append({"token_steps": table, "events": synthetic.events_for_steps(table)})
+    correlate.correlate(store.connection)
+    store.close()
+    return table.num_rows
+
+
+def exporter_for(conn, mode: str, rotel: Rotel, batch: int) -> OtlpExporter:
+    """A fresh exporter of the whole store (cursor reset) for one mode."""
+    for statement in DDL:
+        conn.execute(statement)
+    conn.execute("DELETE FROM otlp_cursor")
+    conn.execute("DELETE FROM otlp_requests")
+    transport = None
+    if mode in ("grpc", "grpc 1/10"):
+        sample_n = 10 if mode == "grpc 1/10" else 1
+        config = resolve(
+            {"endpoint": rotel.grpc_endpoint, "protocol": "grpc", "batch_spans": batch, "sample_n": sample_n},
+            env={},
+        )
+    elif mode == "http":
+        config = resolve(
+            {"endpoint": rotel.http_endpoint, "protocol": "http/protobuf", "batch_spans": batch}, env={}
+        )
+    else:
+        config = resolve({"batch_spans": batch}, env={})
+        transport = AckTransport()
+    return OtlpExporter(conn.cursor(), config, transport)
+
+
+def export_arm(store: DuckDBStore, mode: str, rotel: Rotel, batch: int, steps: int) -> Arm:
+    rotel_process = psutil.Process(rotel.process.pid)
+
+    def once(ctx) -> dict[str, float]:
+        exporter = exporter_for(store.connection, mode, rotel, batch)
+        rotel_cpu0 = sum(rotel_process.cpu_times()[:2])
+        with ctx.timed() as watch:  # CPU: this process, every thread (DuckDB's included)
+            counters = exporter.run(give_up_after_s=30)
+        exporter.shutdown()
+        rotel_cpu = sum(rotel_process.cpu_times()[:2]) - rotel_cpu0
+        rotel.logs[-1].write_bytes(b"")  # the debug log grows by ~1 KB per span
+        spans = counters.spans_sent
+        figures = {"spans": spans, "spans/s": spans / watch.wall,
+                   "agent CPU ms/1k spans": watch.cpu / spans * 1e6,
+                   "agent CPU ms/1k steps": watch.cpu / steps * 1e6}  # fmt: skip
+        if mode != "encode-only":
+            figures["rotel CPU ms/1k spans"] = rotel_cpu / spans * 1e6
+        return figures
+
+    return Arm(mode, once)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=20_000, help="token steps in the store")
+    parser.add_argument("--tokens", type=int, default=100, help="tokens per request")
+    parser.add_argument("--batch-rows", type=int, default=4, help="requests decoded per forward pass")
+    parser.add_argument("--batch", type=int, default=512, help="token-step spans per OTLP request")
+    parser.add_argument("--rounds", type=int, default=3)
+    add_json_option(parser)
+    args = parser.parse_args()
+    report = Report("otlp", args)
+    with tempfile.TemporaryDirectory(prefix="bench-otlp-") as tmp:
+        db = Path(tmp) / "bench.duckdb"
+        steps = build_store(db, args.steps, args.tokens, args.batch_rows)
+        modes = ("encode-only", "grpc", "http", "grpc 1/10")
+        with Rotel(Path(tmp) / "rotel") as rotel, DuckDBStore(db) as store:
+            report.note(
+                f"store: {steps:,} token steps, {args.steps // args.tokens:,} requests, "
+                f"{sum(p.count for p in synthetic.DEFAULT_PROBES)} sampled events per forward pass; "
+                f"batch {args.batch}; rotel on 127.0.0.1:{rotel.grpc_port}/{rotel.http_port}"
+            )
+            export_arm(store, "encode-only", rotel, args.batch, steps).once(-1)  # warm-up: caches, imports
+            arms = [export_arm(store, mode, rotel, args.batch, steps) for mode in modes]
+            report.compare("OTLP export of the whole store", arms, args.rounds,
+                           metrics=["spans", "spans/s", "agent CPU ms/1k spans", "rotel CPU ms/1k spans",
+                                    "agent CPU ms/1k steps"])  # fmt: skip
+    report.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""CPU time and RSS of another live process, from /proc (bench/drain_idle.py, bench/soak.py): what a
+benchmark reads of an agent it did not start in-process and has not reaped yet (getrusage cannot)."""
+
+from __future__ import annotations
+
+import os
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` (fields 14 and 15 of /proc/PID/stat), in seconds: CLK_TCK resolution."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        fields = handle.read().rsplit(b")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/statm") as handle:
+        return int(handle.read().split()[1]) * PAGE

@@ -1,0 +1,213 @@
+"""One round of one figure of bench/runtime.py, run as a file inside the source tree under test.
+
+    PYTHONPATH=<tree>/agent:<repo root> python bench/runtime_arm.py FIGURE '<json options>'
+
+bench/runtime.py starts this with the tree's `agent/` ahead of everything on PYTHONPATH, so `import
+llmobs` here, and in every process started from here (the workload, `python -m llmobs.cli attach`),
+is that tree's package and not the venv's editable install; the last stdout line is a JSON object
+with the figure and `llmobs` (the file imported), which runtime.py checks against the tree.
+
+Only interfaces both layouts have are used: the CLI, scripts/workload.py, DuckDBStore, StoreWriter,
+EventDecoder, the synthetic generators, OtlpExporter; a module that moved (correlate) is imported
+from its new place first, then its old one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import llmobs
+
+FIRST_EVENT = re.compile(r"first event ([\d.]+) s after the agent started")
+
+
+def ingest(opts: dict) -> dict:
+    """Synthetic ring records through the agent's StoreWriter into a fresh DuckDB file: events/s from
+    the first submit until everything is committed (queue large enough that nothing drops)."""
+    from llmobs.store import DuckDBStore
+    from llmobs.store.ingest import EventDecoder
+    from llmobs.store.writer import StoreWriter
+
+    from bench.ingest import PROBE_NAMES, drain, ring_bytes
+
+    count = max(opts["events"] // opts["drain_events"], 1)
+    drains = [drain(ring_bytes(opts["drain_events"], seed=i)) for i in range(count)]
+    with tempfile.TemporaryDirectory(prefix="llmobs-rt-ingest-") as tmp:
+        store = DuckDBStore(Path(tmp) / "ingest.duckdb", threads=1)
+        writer = StoreWriter(store, EventDecoder(PROBE_NAMES), queue_items=count + 1)
+        began, cpu0 = time.perf_counter(), time.process_time()
+        for events in drains:
+            writer.submit(events)
+        if not writer.flush(timeout=600):
+            raise SystemExit("error: the store writer did not flush")
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu0
+        writer.close()
+        stored = sum(store.count(t) for t in ("mem_events", "gpu_ops", "host_events"))
+        store.close()
+    if stored != count * opts["drain_events"] or writer.counters.dropped_rows:
+        raise SystemExit(f"error: stored {stored} of {count * opts['drain_events']} events")
+    return {"events/s": stored / wall, "events/CPU-s": stored / cpu}
+
+
+def _correlate():
+    try:
+        from llmobs.pipeline import correlate
+    except ImportError:  # the layout before the refactor
+        from llmobs import correlate
+    return correlate
+
+
+def otlp(opts: dict) -> dict:
+    """A store of synthetic token steps (with events, correlated) exported by OtlpExporter over gRPC to
+    the rotel collector runtime.py runs on loopback: spans/s of the export alone."""
+    from llmobs import clock
+    from llmobs.otlp.config import resolve
+    from llmobs.otlp.delivery import OtlpExporter
+    from llmobs.store import DuckDBStore, synthetic
+
+    with tempfile.TemporaryDirectory(prefix="llmobs-rt-otlp-") as tmp:
+        store = DuckDBStore(Path(tmp) / "otlp.duckdb")
+        steps = synthetic.token_steps(
+            4242, max(opts["steps"] // 100, 1), 100, batch_rows=4,
+            start_ns=max(clock.monotonic_ns() - 300_000_000_000, 1_000_000_000),
+        )  # fmt: skip
+        store.append({"token_steps": steps, "events": synthetic.events_for_steps(steps)})
+        _correlate().correlate(store.connection)
+        config = resolve({"endpoint": opts["endpoint"], "protocol": "grpc", "batch_spans": 512}, env={})
+        exporter = OtlpExporter(store.connection.cursor(), config, None)
+        began, cpu0 = time.perf_counter(), time.process_time()
+        counters = exporter.run(give_up_after_s=60)
+        wall, cpu = time.perf_counter() - began, time.process_time() - cpu0
+        exporter.shutdown()
+        store.close()
+    if counters.spans_sent <= 0:
+        raise SystemExit("error: no span was sent")
+    return {"spans/s": counters.spans_sent / wall, "spans/CPU-s": counters.spans_sent / cpu,
+            "spans": counters.spans_sent}  # fmt: skip
+
+
+class Workload:
+    """scripts/workload.py of this tree, loaded and waiting for "go" on stdin (its --ready-fd pipe says
+    when it is ready); the last stdout line is its JSON summary (tokens_per_s)."""
+
+    def __init__(self, tree: Path, *args: str):
+        self.ready_r, ready_w = os.pipe()
+        command = [sys.executable, str(tree / "scripts" / "workload.py"), *args, "--wait-stdin",
+                   "--ready-fd", str(ready_w)]  # fmt: skip
+        self.proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,)
+        )
+        os.close(ready_w)
+        self.ready = json.loads(_line(self.ready_r, 600))
+        self.pid = self.proc.pid
+
+    def go(self) -> None:
+        self.proc.stdin.write(b"go\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 900) -> dict:
+        out, _ = self.proc.communicate(timeout=timeout)
+        os.close(self.ready_r)
+        return json.loads(out.decode().strip().splitlines()[-1])
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+def _line(fd: int, timeout: float) -> str:
+    """The next line on a pipe fd, waiting at most `timeout` seconds."""
+    data, deadline = b"", time.monotonic() + timeout
+    while not data.endswith(b"\n"):
+        readable, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+        chunk = os.read(fd, 4096) if readable else b""
+        if not chunk:
+            raise SystemExit(f"error: no line within {timeout} s (got {data!r})")
+        data += chunk
+    return data.decode().splitlines()[-1]
+
+
+def _attach(pid: int, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "llmobs.cli", "attach", "--pid", str(pid), *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def _wait_for(proc: subprocess.Popen, needle: bytes, timeout: float = 300) -> bytes:
+    text, deadline = b"", time.monotonic() + timeout
+    fd = proc.stderr.fileno()
+    while needle not in text:
+        readable, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+        chunk = os.read(fd, 65536) if readable else b""
+        if not chunk:
+            raise SystemExit(f"error: attach printed no {needle!r}: {text.decode()[-2000:]}")
+        text += chunk
+    return text
+
+
+def attach_latency(opts: dict) -> dict:
+    """A tiny-model workload generating without end; `attach --pid P --db X --duration D` (default
+    profiles) started on it: seconds from the attach process's start (interpreter start-up and imports
+    included) to its first event, from its own summary line."""
+    tree = Path(opts["tree"])
+    workload = Workload(tree, "--model", "tiny", "--requests", "0", "--max-new-tokens", "8", "--threads", "1")
+    try:
+        workload.go()
+        with tempfile.TemporaryDirectory(prefix="llmobs-rt-attach-") as tmp:
+            agent = _attach(workload.pid, "--db", f"{tmp}/a.duckdb", "--duration", str(opts["duration"]))
+            _, err = agent.communicate(timeout=300)
+        if agent.returncode != 0:
+            raise SystemExit(f"error: attach exited {agent.returncode}: {err.decode()[-2000:]}")
+        match = FIRST_EVENT.search(err.decode())
+        if not match:
+            raise SystemExit(f"error: attach saw no event: {err.decode()[-2000:]}")
+    finally:
+        workload.kill()
+    return {"first event s": float(match.group(1))}
+
+
+def tokens(opts: dict) -> dict:
+    """SmolLM2 generating --requests x --tokens while `attach --pid P` (default flags) is attached:
+    the workload's own tokens/s (from "go" to its last token)."""
+    tree = Path(opts["tree"])
+    workload = Workload(tree, "--model", opts["model"], "--requests", str(opts["requests"]),
+                        "--max-new-tokens", str(opts["tokens"]), "--threads", "1")  # fmt: skip
+    agent = None
+    try:
+        agent = _attach(workload.pid)
+        _wait_for(agent, b"attached in")
+        workload.go()
+        summary = workload.finish()
+        agent.send_signal(signal.SIGINT)
+        _, err = agent.communicate(timeout=300)
+        if agent.returncode != 0:
+            raise SystemExit(f"error: attach exited {agent.returncode}: {err.decode()[-2000:]}")
+    finally:
+        workload.kill()
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait(timeout=30)
+    return {"tokens/s": summary["tokens_per_s"]}
+
+
+FIGURES = {"ingest": ingest, "otlp": otlp, "attach": attach_latency, "tokens": tokens}
+
+
+def main() -> int:
+    figure, opts = sys.argv[1], json.loads(sys.argv[2])
+    result = FIGURES[figure](opts)
+    print(json.dumps({**result, "llmobs": llmobs.__file__}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
