@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 
-from bench.forward_passes import FIGURE, SAMPLED, UNSAMPLED, PassTimer
+from bench.forward_passes import FIGURE, SAMPLED, UNSAMPLED, time_generate
 from bench.harness import Report, add_json_option
 
 
@@ -36,17 +36,8 @@ def main() -> int:
     report = Report("attention_entropy", args)
     title = f"AttentionEntropy(every=2), model={args.model}, {args.tokens} tokens x {args.rounds} generate()"
     passes = report.comparison(title, [UNSAMPLED, SAMPLED], baseline=UNSAMPLED)
-    timer = PassTimer(passes)
-    timer.before_instrument(model)
-    inst = llmobs.instrument(model, model_id=model_id, attention_entropy=llmobs.AttentionEntropy(every=2))
-    timer.after_instrument(model)
-    ids = torch.tensor([list(range(1, 17))])
-    for _ in range(args.rounds):
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
-                           pad_token_id=0)  # fmt: skip
-    inst.remove()
-    timer.remove()
+    time_generate(model, passes, args.tokens, args.rounds, model_id=model_id,
+                  attention_entropy=llmobs.AttentionEntropy(every=2))  # fmt: skip
     report.show(passes)
     extra = passes.median(SAMPLED, FIGURE) - passes.median(UNSAMPLED, FIGURE)
     report.note(f"extra per sampled step {extra:.1f} us (torch threads 1)")

@@ -5,10 +5,10 @@ Sampled and unsampled passes alternate inside one generate() call, so the interl
 own: pass 2k (sampled) and pass 2k+1 (unsampled) are recorded as round k of their arms, and the
 harness pairs them for the ratio.
 
-    timer = PassTimer(comparison)
-    timer.before_instrument(model)     # the outermost pre-hook: registered before instrument()'s
-    inst = llmobs.instrument(model, ..., attention_entropy=llmobs.AttentionEntropy(every=2))
-    timer.after_instrument(model)      # the outermost post-hook: registered after instrument()'s
+    time_generate(model, comparison, tokens, rounds, model_id=..., attention_entropy=...(every=2))
+
+which wraps instrument() between the timer's outermost pre-hook (registered before instrument()'s) and
+its outermost post-hook (registered after), then runs `rounds` greedy generate() calls.
 """
 
 from __future__ import annotations
@@ -47,3 +47,25 @@ class PassTimer:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def time_generate(model, comparison: Comparison, tokens: int, rounds: int, **instrument_options) -> None:
+    """instrument(model, **instrument_options) between the timer's hooks, `rounds` greedy generate() calls
+    of `tokens` tokens each on a 16-token prompt, then every hook removed."""
+    import llmobs
+    import torch
+
+    timer = PassTimer(comparison)
+    timer.before_instrument(model)
+    inst = llmobs.instrument(model, **instrument_options)
+    timer.after_instrument(model)
+    ids = torch.tensor([list(range(1, 17))])
+    try:
+        for _ in range(rounds):
+            with torch.no_grad():
+                model.generate(
+                    ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0
+                )
+    finally:
+        inst.remove()
+        timer.remove()

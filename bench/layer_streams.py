@@ -21,32 +21,21 @@ import argparse
 import tempfile
 import time
 
-from bench.forward_passes import FIGURE, SAMPLED, UNSAMPLED, PassTimer
+from bench.forward_passes import FIGURE, SAMPLED, UNSAMPLED, time_generate
 from bench.harness import Arm, Report, add_json_option
 
 
 def bench_streams(args, policy_name: str, report: Report) -> None:
     import llmobs
-    import torch
     from llmobs.workloads.models import load_model
 
     model, _, model_id = load_model(args.model)
     label = {"mlp": "MlpVariance(every=2)", "both": "LayerStreams(every=2)"}[policy_name]
     title = f"[{label}] model={args.model} tokens/round={args.tokens} rounds={args.rounds}"
     passes = report.comparison(title, [UNSAMPLED, SAMPLED], baseline=UNSAMPLED)
-    timer = PassTimer(passes)
-    timer.before_instrument(model)
     policy = {"mlp": {"mlp_variance": llmobs.MlpVariance(every=2)},
               "both": {"layer_streams": llmobs.LayerStreams(every=2)}}[policy_name]  # fmt: skip
-    inst = llmobs.instrument(model, model_id=model_id, **policy)
-    timer.after_instrument(model)
-    ids = torch.tensor([list(range(1, 17))])
-    for _ in range(args.rounds):
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
-                           pad_token_id=0)  # fmt: skip
-    inst.remove()
-    timer.remove()
+    time_generate(model, passes, args.tokens, args.rounds, model_id=model_id, **policy)
     report.show(passes)
     extra = passes.median(SAMPLED, FIGURE) - passes.median(UNSAMPLED, FIGURE)
     report.note(f"  extra per sampled step {extra:.1f} us")

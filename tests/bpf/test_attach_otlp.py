@@ -8,7 +8,6 @@ last steps happens at detach, before the store closes.
 from __future__ import annotations
 
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -16,9 +15,7 @@ from test_attach import Agent, _assert_clean
 from test_probes_target import leftovers
 
 from bench.held_workload import HeldWorkload
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from bench.rotel_harness import Rotel  # noqa: E402
+from bench.rotel_harness import Rotel
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
 REQUESTS, TOKENS = 4, 6

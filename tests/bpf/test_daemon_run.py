@@ -27,8 +27,7 @@ import pytest
 from bench.held_workload import HeldWorkload
 
 pytest.importorskip("bcc")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from bench.rotel_harness import Rotel  # noqa: E402
+from bench.rotel_harness import Rotel
 
 LINE_TIMEOUT_S = 40.0
 REQUESTS, TOKENS = 2, 8

@@ -30,9 +30,7 @@ from pathlib import Path
 import duckdb
 
 from bench.held_workload import read_json_line
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from bench.rotel_harness import Rotel, wait_until  # noqa: E402
+from bench.rotel_harness import Rotel, wait_until
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
 OUTAGE_S = 20.0

@@ -28,9 +28,7 @@ import duckdb
 from test_attach import Agent
 
 from bench.held_workload import read_json_line
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from bench.rotel_harness import Rotel, wait_until  # noqa: E402
+from bench.rotel_harness import Rotel, wait_until
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
 BATCH_SPANS = 512  # OtlpConfig.batch_spans default: the most one lost ack can make us re-send

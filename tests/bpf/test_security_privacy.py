@@ -12,9 +12,7 @@ hashes them in-process), so no code path could carry it; docs/reliability.md say
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-import sys
 from pathlib import Path
 
 import duckdb
@@ -22,19 +20,16 @@ import numpy as np
 from llmobs.shm.hashing import trace_id, trace_words
 from test_attach import Agent
 
-from bench.held_workload import WORKLOAD, HeldWorkload
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from bench.rotel_harness import Rotel  # noqa: E402
+from bench.held_workload import HeldWorkload
+from bench.rotel_harness import Rotel
 
 REQUESTS, TOKENS = 4, 4
 
 
 def _prompts() -> list[str]:
-    spec = importlib.util.spec_from_file_location("llmobs_test_workload", WORKLOAD)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # stdlib imports only at module level (torch is imported in main)
-    return list(module.PROMPTS[:REQUESTS])
+    from llmobs.workloads.generate import PROMPTS  # the prompts the workload generates from, in order
+
+    return list(PROMPTS[:REQUESTS])
 
 
 def _prompt_hash(prompt: str) -> str:

@@ -8,24 +8,20 @@ evidence from the real evidence pass after correlate (the spiking step also did 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from llmobs import clock
+from llmobs.diagnostics.detectors import DetectorConfig, StreamingDetector
+from llmobs.diagnostics.evidence import refresh_evidence
+from llmobs.otlp.delivery import OtlpExporter
+from llmobs.otlp.encoder import SpanIds
+from llmobs.pipeline import correlate
+from llmobs.store import synthetic
+from llmobs.store.sink import DuckDBStore
+from test_otlp_rotel import fast_config
 
-sys.path.insert(0, str(Path(__file__).parent))
-from llmobs import clock  # noqa: E402
-from llmobs.diagnostics.detectors import DetectorConfig, StreamingDetector  # noqa: E402
-from llmobs.diagnostics.evidence import refresh_evidence  # noqa: E402
-from llmobs.otlp.delivery import OtlpExporter  # noqa: E402
-from llmobs.otlp.encoder import SpanIds  # noqa: E402
-from llmobs.pipeline import correlate  # noqa: E402
-from llmobs.store import synthetic  # noqa: E402
-from llmobs.store.sink import DuckDBStore  # noqa: E402
-from test_otlp_rotel import fast_config  # noqa: E402
-
-from bench.rotel_harness import Rotel, wait_until  # noqa: E402
+from bench.rotel_harness import Rotel, wait_until
 
 PID, REQUESTS, TOKENS = 5151, 3, 40
 SPIKES = {(0, 25), (2, 30)}  # (request, token index)

@@ -12,24 +12,21 @@ import math
 import subprocess
 import sys
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import psutil
 import pyarrow as pa
 import pytest
+from llmobs import clock
+from llmobs.otlp import config as otlp_config
+from llmobs.otlp.delivery import OtlpExporter
+from llmobs.otlp.encoder import SpanIds
+from llmobs.otlp.metrics import kernel_class
+from llmobs.pipeline import correlate
+from llmobs.store import synthetic
+from llmobs.store.sink import DuckDBStore
 
-sys.path.insert(0, str(Path(__file__).parent))
-from llmobs import clock  # noqa: E402
-from llmobs.otlp import config as otlp_config  # noqa: E402
-from llmobs.otlp.delivery import OtlpExporter  # noqa: E402
-from llmobs.otlp.encoder import SpanIds  # noqa: E402
-from llmobs.otlp.metrics import kernel_class  # noqa: E402
-from llmobs.pipeline import correlate  # noqa: E402
-from llmobs.store import synthetic  # noqa: E402
-from llmobs.store.sink import DuckDBStore  # noqa: E402
-
-from bench.rotel_harness import Rotel, parse_metrics, parse_spans, wait_until  # noqa: E402
+from bench.rotel_harness import Rotel, parse_metrics, parse_spans, wait_until
 
 PID = 4242
 KERNELS = (

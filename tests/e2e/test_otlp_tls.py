@@ -10,24 +10,20 @@ import http.server
 import shutil
 import ssl
 import subprocess
-import sys
 import threading
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
+from llmobs.otlp.config import resolve
+from llmobs.otlp.delivery import ExportFailed, OtlpExporter
+from llmobs.otlp.source import ExportCursor
+from llmobs.store import synthetic
+from llmobs.store.sink import DuckDBStore
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).parent))
-from llmobs.otlp.config import resolve  # noqa: E402
-from llmobs.otlp.delivery import ExportFailed, OtlpExporter  # noqa: E402
-from llmobs.otlp.source import ExportCursor  # noqa: E402
-from llmobs.store import synthetic  # noqa: E402
-from llmobs.store.sink import DuckDBStore  # noqa: E402
-
-from bench.rotel_harness import free_port  # noqa: E402
+from bench.rotel_harness import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
