@@ -101,7 +101,8 @@ def test_the_daemon_stores_every_step_of_a_process_that_lived_shorter_than_a_sca
         workload.stdin.write("go\n")
         workload.stdin.close()
         assert workload.wait(timeout=60) == 0
-        daemon.wait_line(rf"stale maps: \d+ removed, [\d,]+ unread token steps|detach pid {workload.pid} ")
+        swept = r"stale maps: \d+ map\(s\) of exited processes removed, [1-9][\d,]* unread"
+        daemon.wait_line(rf"{swept}|detach pid {workload.pid} ")
         assert daemon.stop() == 0, "\n".join(daemon.lines)
     finally:
         daemon.close()

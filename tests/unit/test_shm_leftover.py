@@ -206,3 +206,25 @@ def test_ingest_stale_maps_leaves_the_callers_own_targets(tmp_path, exited):
         assert (tmp_path / f"{layout.FILE_PREFIX}{pid}").exists()
     finally:
         store.shutdown(30)
+
+
+def test_a_map_whose_owner_the_selectors_would_not_observe_is_removed_unread(tmp_path, exited):
+    pid, _ = exited
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    try:
+        owners: list[int] = []
+
+        def nobody_selected(uid: int) -> bool:
+            owners.append(uid)
+            return False
+
+        handled = {
+            left.pid: left
+            for left in ingest_stale_maps(store, shm_dir=str(tmp_path), accept_uid=nobody_selected)
+        }
+        assert owners == [os.getuid()]  # asked about the map file's owner
+        assert handled[pid].steps == 0 and handled[pid].error.startswith("not selected")
+        assert store.query("SELECT count(*) FROM token_steps").column(0)[0].as_py() == 0
+        assert not list(tmp_path.glob(f"{layout.FILE_PREFIX}*"))  # removed all the same
+    finally:
+        store.shutdown(30)

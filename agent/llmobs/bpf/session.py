@@ -50,12 +50,15 @@ def _own_age_s(procfs: ProcFS) -> float:
         return 0.0
 
 
+def bpf_capable(procfs: ProcFS) -> bool:
+    """Whether this process's effective set can load and attach: CAP_SYS_ADMIN, or CAP_BPF + CAP_PERFMON."""
+    caps = procfs.effective_caps("self")
+    return bool(caps & (1 << _CAP_SYS_ADMIN) or (caps & (1 << _CAP_BPF) and caps & (1 << _CAP_PERFMON)))
+
+
 def require_privileges(procfs: ProcFS) -> None:
     """Root, or CAP_BPF + CAP_PERFMON (or CAP_SYS_ADMIN), else AccessDenied."""
-    if os.geteuid() == 0:
-        return
-    caps = procfs.effective_caps("self")
-    if caps & (1 << _CAP_SYS_ADMIN) or (caps & (1 << _CAP_BPF) and caps & (1 << _CAP_PERFMON)):
+    if os.geteuid() == 0 or bpf_capable(procfs):
         return
     raise AccessDenied("attaching eBPF probes needs root (or CAP_BPF and CAP_PERFMON)", hint=as_root_hint())
 

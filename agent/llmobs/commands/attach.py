@@ -228,7 +228,7 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         )  # fmt: skip
         store = presence = None  # the agent closes them now
         agent.add(session, pipeline, sinks=sinks)
-        _say_swept(*agent.sweep_maps())  # once attached: a refused attach prints only its error line
+        _say_swept(agent.sweep_maps().removed)  # once attached: a refused attach prints only its error line
         tasks = [Task(0.0, lambda _now: status.maybe_print())]
         if args.duration:
             deadline = time.monotonic() + args.duration
@@ -303,14 +303,12 @@ def _print_governor(governor, session, stream) -> None:
         )
 
 
-def _say_swept(removed: list[str], steps: int) -> None:
-    """Housekeeping: a workload killed with SIGKILL cannot remove its map (and one that exited with
-    unread steps leaves it for us); each holds tmpfs memory until someone removes it: the agent."""
+def _say_swept(removed: int) -> None:
+    """Housekeeping: a workload killed with SIGKILL cannot remove its map; each holds tmpfs memory
+    (megabytes) until someone removes it: the agent. (attach observes one pid: other processes' maps
+    are removed unread; the daemon stores what its selectors would have observed.)"""
     if removed:
-        stored = f", after storing their {steps:,} unread token steps" if steps else ""
-        print(
-            f"removed {len(removed)} stale map(s) left by dead processes in /dev/shm{stored}", file=sys.stderr
-        )
+        print(f"removed {removed} stale map(s) left by dead processes in /dev/shm", file=sys.stderr)
 
 
 def _otlp_config(args: argparse.Namespace):

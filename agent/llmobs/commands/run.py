@@ -18,8 +18,6 @@ from llmobs.errors import AccessDenied
 from llmobs.rerun import as_root_hint
 from llmobs.settings import add_flags, run_flags
 
-CAP_SYS_ADMIN, CAP_PERFMON, CAP_BPF = 21, 38, 39
-
 # every flag but --config/--check-config sets one config key; generated from the settings table
 FLAGS = run_flags()
 
@@ -43,10 +41,10 @@ def flags_of(args: argparse.Namespace) -> dict[str, object]:
 def _require_capabilities() -> None:
     """One clear line without the capabilities to load and attach, root or not (a root shell under a
     restricted bounding set has none): checked on the effective set, before anything is opened."""
+    from llmobs.bpf.session import bpf_capable
     from llmobs.procfs import ProcFS
 
-    caps = ProcFS().effective_caps("self")
-    if caps & (1 << CAP_SYS_ADMIN) or (caps & (1 << CAP_BPF) and caps & (1 << CAP_PERFMON)):
+    if bpf_capable(ProcFS()):
         return
     hint = "run it as the systemd service (systemd/README.md) or with sudo"  # root without capabilities
     if os.geteuid() != 0:  # a user: the exact command to type again as root

@@ -60,7 +60,7 @@ class MapWatcher:
             self.live.add_steps(columns)
         if self.source.reader is None:
             return None
-        counters = self.source.counters()
+        counters = self.source.stats()
         drops = counters["lost"] + counters["corrupt"] + counters["writer_dropped"]
         return {**self.live.row(), "drops": drops, "source": "map (no agent)"}
 

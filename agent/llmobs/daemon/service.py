@@ -212,9 +212,9 @@ class Service:
 
     def _discover(self) -> None:
         # first the maps of processes that are already gone (some lived shorter than a scan interval)
-        removed, steps = self.agent.sweep_maps(Selectors.of(self.config).accepts_exited_uid)
-        if removed:
-            self.log(f"stale maps: {len(removed)} removed, {steps:,} unread token steps stored first")
+        swept = self.agent.sweep_maps(Selectors.of(self.config).accepts_exited_uid)
+        if swept.removed:
+            self.log(f"stale maps: {swept.line()}")
         appeared, gone = self.watcher.scan()
         for proc in gone:
             target = self.agent.targets.get(proc.pid)

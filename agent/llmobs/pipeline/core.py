@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import TextIO
 
 import numpy as np
-import pyarrow as pa
 
 from llmobs import clock
 from llmobs.bpf.profiles import PROBES
@@ -33,7 +32,7 @@ from llmobs.diagnostics.live import LiveAnomalies
 from llmobs.diagnostics.training import TrainingMonitor, artifacts_dir_for
 from llmobs.pipeline.correlate import CorrelateStats, correlate
 from llmobs.pipeline.live import LiveStats, remove_snapshot, snapshot_path, write_snapshot
-from llmobs.pipeline.sources import BpfSource, ShmSource
+from llmobs.pipeline.sources import AggregateSource, ShmSource
 from llmobs.procfs import ProcFS
 from llmobs.store.ingest import EventDecoder
 from llmobs.store.sink import DuckDBStore, agent_memory_limit
@@ -139,7 +138,7 @@ class Pipeline:
         # the journal first, then whatever else wants the batches; one fan-out, itself a sink
         self.sinks = CompositeSink([self.writer, *extra_sinks])
         self.shm = shm or ShmSource(pid)
-        self.bpf = BpfSource(session) if session is not None else None
+        self.bpf = AggregateSource(session) if session is not None else None
         self.started_ns = clock.monotonic_ns()
         # built after the session attached (attach, demo): steps from here on were seen whole
         self.live = LiveStats(pid, attached_ns=self.started_ns if session is not None else None)
@@ -229,17 +228,17 @@ class Pipeline:
                 batch["layer_modules"] = modules
             self._fan_out(batch)
 
-    def _hand_aggregates(self, table: pa.Table | None = None) -> None:
-        if table is None and self.bpf is not None:
-            table = self.bpf.harvested_deltas()
-        if table is not None and table.num_rows:
-            self.live.add_aggregates(table)
-            self._fan_out({"probe_aggregates": table})
+    def _hand_aggregates(self, batch: dict | None = None) -> None:
+        if batch is None and self.bpf is not None:
+            batch = self.bpf.poll()
+        if batch is not None and batch["probe_aggregates"].num_rows:
+            self.live.add_aggregates(batch["probe_aggregates"])
+            self._fan_out(batch)
 
     def drops(self) -> dict[str, int]:
         """Every place data can be lost, by name (kernel ring, map ring, writer queue, store)."""
         not_lost = ("steps", "already_stored")  # read, or skipped because the store has them
-        out = {f"map_{k}": v for k, v in self.shm.counters().items() if k not in not_lost}
+        out = {f"map_{k}": v for k, v in self.shm.stats().items() if k not in not_lost}
         if self.bpf is not None:
             try:
                 counters = self.bpf.session.counters()
@@ -341,7 +340,7 @@ class Pipeline:
         self._add_layers(self.shm.drain_layers())
         self.training.close(CLOSE_TIMEOUT_S)  # the last step scored, pending heatmaps done (bounded)
         if self.bpf is not None and final is not None:
-            self._hand_aggregates(self.bpf._deltas(final.get("totals", {})))
+            self._hand_aggregates(self.bpf.final(final))
         self._stop.set()
         self._correlator.join(CLOSE_TIMEOUT_S)
         closed = self.sinks.close(CLOSE_TIMEOUT_S)
@@ -403,7 +402,7 @@ class Pipeline:
 
     def _summary(self) -> PipelineSummary:
         counters = self.writer.counters
-        shm = self.shm.counters()
+        shm = self.shm.stats()
         return PipelineSummary(
             db=str(self.store.path),
             pid=self.pid,

@@ -1,8 +1,8 @@
 """Sources of the pipeline: each `poll()` returns one typed batch (or nothing) and never blocks.
 
 ShmSource reads a process's token steps (and its sampled per-layer metrics) from its shared-memory map
-from cursors; BpfSource wraps an attach session (ring drain) and turns the exact kernel totals it
-harvests into probe_aggregates deltas.
+from cursors; AggregateSource turns the exact kernel totals an attach session harvests into
+probe_aggregates deltas. (The ring's events are drained by the runtime, llmobs.runtime.Agent.)
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import pyarrow as pa
 
 from llmobs import clock
 from llmobs.bpf.output import aggregates_table
@@ -212,7 +211,7 @@ class ShmSource:
             return None
         return {k: _concat([p[k] for p in parts]) for k in parts[0]}
 
-    def counters(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int]:
         """The map's own drop counters (the workload's side) next to ours."""
         header = self.reader.header if self.reader else {}
         return {
@@ -237,26 +236,31 @@ _EMPTY_KEYS = np.empty(0, AGG_KEY_DTYPE)
 _EMPTY_VALUES = np.empty(0, AGG_VAL_DTYPE)
 
 
-class BpfSource:
-    """The ring of a started AttachSession, plus its harvested exact totals as deltas.
+class AggregateSource:
+    """The exact kernel totals of a started AttachSession, as probe_aggregates deltas (a Source).
 
-    The session moves the totals of finished steps out of the bounded kernel map once a second; the
-    store wants what each harvest moved (probe_aggregates rows are deltas the store sums), so this keeps
-    what it already handed on and returns the difference.
+    The runtime drains the session's events; the session moves the totals of finished steps out of the
+    bounded kernel map once a second. The store wants what each harvest moved (probe_aggregates rows are
+    deltas the store sums), so this keeps what it already handed on and returns the difference.
     """
 
     def __init__(self, session):
         self.session = session
         self._handed: dict[tuple[int, int, int], list[int]] = {}
+        self.rows = 0  # delta rows returned
 
-    def poll(self) -> np.ndarray:
-        return self.session.poll()
+    def poll(self) -> dict | None:
+        """{"probe_aggregates": the totals harvested since the last poll} (None when nothing moved)."""
+        return self._batch(self.session.totals.merged(_EMPTY_KEYS, _EMPTY_VALUES))
 
-    def harvested_deltas(self) -> pa.Table | None:
-        """Totals the session harvested since the last call (None when nothing moved)."""
-        return self._deltas(self.session.totals.merged(_EMPTY_KEYS, _EMPTY_VALUES))
+    def final(self, final: dict) -> dict | None:
+        """The rest at detach: the session's final totals (live steps included) not handed yet."""
+        return self._batch(final.get("totals", {}))
 
-    def _deltas(self, totals: dict[tuple[int, int, int], list[int]]) -> pa.Table | None:
+    def stats(self) -> dict[str, int]:
+        return {"aggregate_rows": self.rows}
+
+    def _batch(self, totals: dict[tuple[int, int, int], list[int]]) -> dict | None:
         delta = {}
         for key, value in totals.items():
             handed = self._handed.get(key)
@@ -267,9 +271,7 @@ class BpfSource:
             else:
                 continue
             self._handed[key] = list(value)
-        return aggregates_table(delta) if delta else None
-
-    def close(self) -> tuple[np.ndarray, dict, pa.Table | None]:
-        """Detach; (last events, the session's final dict, the not yet handed totals incl. live ones)."""
-        events, final = self.session.close()
-        return events, final, self._deltas(final.get("totals", {}))
+        if not delta:
+            return None
+        self.rows += len(delta)
+        return {"probe_aggregates": aggregates_table(delta)}

@@ -65,6 +65,20 @@ class Detached:
 
 
 @dataclass
+class Swept:
+    """What a sweep of maps left by exited processes did."""
+
+    removed: int = 0  # maps removed
+    steps: int = 0  # unread token steps stored from them first
+    unselected: int = 0  # of the removed, maps of processes the selectors would not have observed
+
+    def line(self) -> str:
+        skipped = f" ({self.unselected} of processes not selected, removed unread)" if self.unselected else ""
+        stored = f"{self.steps:,} unread token steps stored"
+        return f"{self.removed} map(s) of exited processes removed, {stored}{skipped}"
+
+
+@dataclass
 class Task:
     """Work a command runs inside the loop every `period_s` (0: every iteration)."""
 
@@ -188,22 +202,22 @@ class Agent:
         """A new shared ring (the daemon rebuilt its program on a reload); the targets were removed."""
         self.ring, self.ring_records = ring, ring_records
 
-    def sweep_maps(self, accept_uid: Callable[[int], bool] | None = None) -> tuple[list[str], int]:
+    def sweep_maps(self, accept_uid: Callable[[int], bool] | None = None) -> Swept:
         """Maps left in /dev/shm by processes that are gone. With a store and `accept_uid` (whose maps
         this agent would have observed: the daemon's selectors), their unread token steps are stored
-        first (a process may exit before it was ever attached); then each map is removed. Returns (the
-        maps removed, the token steps stored from them). Never raises."""
+        first (a process may exit before it was ever attached); then each map is removed. Never raises."""
         from llmobs.pipeline.leftovers import ingest_stale_maps
         from llmobs.shm.reader import remove_stale_maps
 
         skip = set(self.targets)  # their own pipelines drain and remove their maps
         try:
             if self.store is None or accept_uid is None:
-                return remove_stale_maps(skip_pids=skip), 0
+                return Swept(removed=len(remove_stale_maps(skip_pids=skip)))
             left = ingest_stale_maps(self.store, skip_pids=skip, accept_uid=accept_uid)
         except OSError:  # no /dev/shm, or not ours to list: nothing to tidy
-            return [], 0
-        return [m.path for m in left], sum(m.steps for m in left)
+            return Swept()
+        unselected = sum(1 for m in left if m.error and m.error.startswith("not selected"))
+        return Swept(len(left), sum(m.steps for m in left), unselected)
 
     # ---- targets ----------------------------------------------------------------------------------
     def add(
