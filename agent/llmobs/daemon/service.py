@@ -38,6 +38,7 @@ from llmobs.runtime import Agent, Detached, Target, Task
 from llmobs.shm.presence import ReaderPresence
 
 STATUS_EVERY_S = 1.0  # the status file and systemd's STATUS= line
+SWEEP_EVERY_S = 1.0  # maps left by exited processes are looked for at most this often
 RETENTION_EVERY_S = 600.0
 STATUS_FILE = "daemon.json"
 # probes.* keys change what the program is compiled with or how rows are weighted: the fleet is rebuilt
@@ -201,6 +202,9 @@ class Service:
             Task(0.0, reload),
             discover,
             Task(STATUS_EVERY_S, lambda _now: self._report_status()),
+            # not every scan: a left map waits for the agent (bounded, llmobs.shm.leftover), so a
+            # sweep a second keeps the loop's /dev/shm reads off a short discovery interval
+            Task(lambda: max(self.config.discovery_interval_s, SWEEP_EVERY_S), lambda _now: self._sweep()),
         ]
         if self.notifier.watchdog_s:
             tasks.append(Task(self.notifier.watchdog_s, lambda _now: self.notifier.watchdog()))
@@ -210,11 +214,13 @@ class Service:
             tasks.append(retain)
         self.agent.run(lambda: self._flags["stop"], tasks, wait=self._wait)
 
-    def _discover(self) -> None:
-        # first the maps of processes that are already gone (some lived shorter than a scan interval)
+    def _sweep(self) -> None:
+        """The maps of processes already gone (some lived shorter than a scan interval), stored once."""
         swept = self.agent.sweep_maps(Selectors.of(self.config).accepts_exited_uid)
         if swept.removed:
             self.log(f"stale maps: {swept.line()}")
+
+    def _discover(self) -> None:
         appeared, gone = self.watcher.scan()
         for proc in gone:
             target = self.agent.targets.get(proc.pid)
