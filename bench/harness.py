@@ -209,15 +209,35 @@ class Comparison:
         self.samples[arm].append(Sample(index, {k: float(v) for k, v in values.items()}))
         self.order.append((index, arm))
 
-    def run(self, arms: Sequence[Arm | Command], rounds: int, warmup: int = 0, progress=None) -> Comparison:
+    def run(self, arms: Sequence[Arm | Command], rounds: int, warmup: int = 0, progress=None,
+            until: float | None = None, max_rounds: int | None = None) -> Comparison:  # fmt: skip
+        """`rounds` interleaved rounds; with `until` (a half-width in ratio points, 0.02 = +-2 points)
+        more rounds, two at a time so the order stays balanced, until every shown figure's interval
+        (each arm against the baseline) is that narrow, or `max_rounds` (default 30) were run."""
         by_name = {arm.name: arm for arm in arms}
         for _, name in schedule(list(by_name), warmup):
             by_name[name].once(-1)
-        for index, name in schedule(list(by_name), rounds):
-            self.record(name, index, by_name[name].once(index))
-            if progress is not None:
-                progress(self, index, name)
-        return self
+        done, limit = 0, max_rounds or 30
+        while True:
+            for index, name in schedule(list(by_name), rounds)[done * len(by_name) :]:
+                self.record(name, index, by_name[name].once(index))
+                if progress is not None:
+                    progress(self, index, name)
+            done = rounds
+            if until is None or self.widest() <= until or rounds >= limit:
+                return self
+            rounds = min(rounds + 2, limit)
+
+    def widest(self) -> float:
+        """The largest half-width, in ratio points, of the shown figures' intervals (inf without one)."""
+        widths = [0.0]
+        for metric in self.metric_names():
+            for arm in self.arms:
+                if arm == self.baseline or not self.values(arm, metric):
+                    continue
+                r = self.ratio(arm, metric)
+                widths.append(math.inf if r is None or r["ci"] is None else (r["ci"][1] - r["ci"][0]) / 2)
+        return max(widths)
 
     def metric_names(self, every: bool = False) -> list[str]:
         """The figures to show (`metrics`, if given), or with `every` all that were recorded."""
@@ -331,10 +351,12 @@ class Report:
 
     def compare(self, title: str, arms: Sequence[Arm | Command], rounds: int, *, baseline: str | None = None,
                 better: Mapping[str, str] | None = None, metrics: Sequence[str] | None = None,
-                warmup: int = 0, progress=None) -> Comparison:  # fmt: skip
-        """Run `arms` interleaved for `rounds` (after `warmup` unrecorded rounds), print the table."""
+                warmup: int = 0, progress=None, until: float | None = None,
+                max_rounds: int | None = None) -> Comparison:  # fmt: skip
+        """Run `arms` interleaved for `rounds` (after `warmup` unrecorded rounds; with `until`, more
+        rounds up to `max_rounds` until the intervals are that narrow: Comparison.run), print the table."""
         made = self.comparison(title, [a.name for a in arms], baseline, better, metrics)
-        made.run(arms, rounds, warmup, progress)
+        made.run(arms, rounds, warmup, progress, until, max_rounds)
         self.show(made)
         return made
 

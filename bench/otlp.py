@@ -13,7 +13,12 @@ so that the noise of this shared 2-core machine hits them alike:
 CPU is this process's CPU time (user + system, every thread, DuckDB's included) per 1,000 spans; rotel's
 own CPU is shown for reference. Ratios are to encode-only.
 
-    .venv/bin/python -m bench.otlp [--steps N] [--rounds R] [--json PATH]
+Then, side by side, the previous release against this tree (skip with --no-baseline): each arm a
+subprocess of bench/runtime_arm.py `otlp` with PYTHONPATH=<tree>/agent (a fresh store of --steps
+synthetic, correlated steps exported over gRPC to the same rotel), interleaved ABBA, with the ratio
+this tree / main and its 95% interval; the figure is the arm's CPU (time.process_time) per 1,000 spans.
+
+    .venv/bin/python -m bench.otlp [--steps N] [--rounds R] [--baseline DIR | --no-baseline] [--json PATH]
 """
 
 from __future__ import annotations
@@ -110,6 +115,34 @@ def export_arm(store: DuckDBStore, mode: str, rotel: Rotel, batch: int, steps: i
     return Arm(mode, once)
 
 
+BASELINE = Path("/tmp/llmobs-main")  # `git worktree add --detach /tmp/llmobs-main <main>`
+TARGET_MS_PER_1K = 30.0
+
+
+def side_by_side(report: Report, rotel: Rotel, args) -> None:
+    """main's tree and this one, each exporting a fresh store over gRPC: CPU ms per 1,000 spans."""
+    from bench.runtime import REPO, arm
+
+    if not (args.baseline / "agent" / "llmobs" / "__init__.py").exists():
+        report.note(f"no baseline tree at {args.baseline}: git worktree add --detach {args.baseline} main")
+        return
+    opts = {"steps": args.steps, "endpoint": rotel.grpc_endpoint}
+    imported: dict[str, str] = {}
+    trees = {"main": args.baseline, "this tree": REPO}
+    arms = [arm(name, tree, "otlp", opts, imported) for name, tree in trees.items()]
+
+    def clear_log(comparison, index, name) -> None:
+        rotel.logs[-1].write_bytes(b"")
+
+    made = report.compare("OTLP over gRPC, main vs this tree", arms, args.rounds, baseline="main",
+                          better={"CPU ms/1k spans": "lower", "spans/s": "higher"},
+                          metrics=["CPU ms/1k spans", "spans/s", "spans"], progress=clear_log)  # fmt: skip
+    ours = made.median("this tree", "CPU ms/1k spans")
+    if ours == ours:  # NaN when no round measured it
+        report.note(f"this tree: {ours:.1f} CPU ms per 1,000 spans ({ours / TARGET_MS_PER_1K:.2f}x the "
+                    f"{TARGET_MS_PER_1K:.0f} ms target)")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -119,6 +152,8 @@ def main() -> int:
     parser.add_argument("--batch-rows", type=int, default=4, help="requests decoded per forward pass")
     parser.add_argument("--batch", type=int, default=512, help="token-step spans per OTLP request")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--baseline", type=Path, default=BASELINE, help=f"main's tree (default {BASELINE})")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the side-by-side with main")
     add_json_option(parser)
     args = parser.parse_args()
     report = Report("otlp", args)
@@ -137,6 +172,8 @@ def main() -> int:
             report.compare("OTLP export of the whole store", arms, args.rounds,
                            metrics=["spans", "spans/s", "agent CPU ms/1k spans", "rotel CPU ms/1k spans",
                                     "agent CPU ms/1k steps"])  # fmt: skip
+            if not args.no_baseline:
+                side_by_side(report, rotel, args)
     report.finish()
     return 0
 

@@ -258,7 +258,7 @@ def _bench_cost(rounds: int, report: Report) -> None:
             ),
             "detach_ours": program.detach,
             "fds_empty": fds(empty.bpf, empty_names),
-            "fds_ours": fds(program.bpf, ours_names),
+            "fds_ours": [program.prog_fd(n) for n in ours_names],
         }
 
     def tracepoint_case(name: str, loop: str, hits: int):
@@ -285,7 +285,7 @@ def _bench_cost(rounds: int, report: Report) -> None:
             "attach_ours": lambda: program.attach_tracepoints(probe, attached) or attached,
             "detach_ours": program.detach,
             "fds_empty": fds(empty.bpf, ["tracepoint_empty"]),
-            "fds_ours": fds(program.bpf, [fn for _, fn in probe.tracepoints]),
+            "fds_ours": [program.prog_fd(fn) for _, fn in probe.tracepoints],
         }
 
     cases = [
@@ -297,11 +297,32 @@ def _bench_cost(rounds: int, report: Report) -> None:
         tracepoint_case("page_fault_user", "fault", 16),
         tracepoint_case("ioctl", "ioctl", 1),
     ]
+
+    def switched_off(case: dict, name: str) -> dict:
+        """The same probe attached with its switch word off (the governor's shed of a tracepoint): what
+        a disabled hit costs - the dispatch and the word's lookup."""
+        attach, detach = case["attach_ours"], case["detach_ours"]
+
+        def attach_off():
+            handle = attach()
+            program.set_probe_enabled(name, False)
+            return handle
+
+        def detach_off(handle):
+            detach(handle)
+            program.set_probe_enabled(name, True)
+
+        label = f"{case['label']} (off)"
+        return {**case, "label": label, "attach_ours": attach_off, "detach_ours": detach_off}
+
     rows = []
     for sample_n in (1, 16):
         program.set_sampling(sample_n, "cpu")
         for case in cases:
             rows.append((sample_n, _measure(case, target, rounds, ring, report)))
+    program.set_sampling(1, "cpu")
+    for case, name in ((cases[0], "linear"), (cases[-2], "page_fault_user"), (cases[-1], "ioctl")):
+        rows.append((1, _measure(switched_off(case, name), target, rounds, ring, report)))
     report.note("per hit = (median ns/it of the arm - median of none) / hits; wall = llmobs / empty per hit;")
     report.note("by parts = (empty per hit + bpf ours - bpf empty) / empty per hit: the trap costs the same")
     report.note(f"{'sample':>6} {'probe':<16} {'where':<22} {'empty':>7} {'llmobs':>7} {'wall':>6} "

@@ -44,12 +44,12 @@ SHOWN = {"ingest": ["events/s", "events/CPU-s", "cpu_s"], "attach": ["first even
          "otlp": ["spans/s", "spans/CPU-s"], "tokens": ["tokens/s", "cpu_s"]}  # fmt: skip
 
 
-def ensure_baseline(path: Path) -> Path:
-    """The tree before the refactor: `git worktree add PATH 50a5f84` unless PATH already holds one."""
+def ensure_baseline(path: Path, commit: str = BEFORE_COMMIT) -> Path:
+    """The tree to compare against: `git worktree add PATH COMMIT` unless PATH already holds one."""
     if not (path / "agent" / "llmobs" / "__init__.py").exists():
         # a worktree whose folder was deleted (a /tmp cleaned at boot) stays registered until pruned
         subprocess.run(["git", "-C", str(REPO), "worktree", "prune"], check=True)
-        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), BEFORE_COMMIT],
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), commit],
                        check=True)  # fmt: skip
     return path
 

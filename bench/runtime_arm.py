@@ -1,4 +1,4 @@
-"""One round of one figure of bench/runtime.py, run as a file inside the source tree under test.
+"""One round of one figure of bench/runtime.py or bench/footprint.py, run against the source tree under test.
 
     PYTHONPATH=<tree>/agent:<repo root> python bench/runtime_arm.py FIGURE '<json options>'
 
@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 import llmobs
+
+from bench.ready_child import ReadyChild
 
 FIRST_EVENT = re.compile(r"first event ([\d.]+) s after the agent started")
 
@@ -92,49 +94,19 @@ def otlp(opts: dict) -> dict:
     if counters.spans_sent <= 0:
         raise SystemExit("error: no span was sent")
     return {"spans/s": counters.spans_sent / wall, "spans/CPU-s": counters.spans_sent / cpu,
-            "spans": counters.spans_sent}  # fmt: skip
+            "CPU ms/1k spans": 1e6 * cpu / counters.spans_sent, "spans": counters.spans_sent}  # fmt: skip
 
 
-class Workload:
+class Workload(ReadyChild):
     """scripts/workload.py of this tree, loaded and waiting for "go" on stdin (its --ready-fd pipe says
     when it is ready); the last stdout line is its JSON summary (tokens_per_s)."""
 
     def __init__(self, tree: Path, *args: str):
-        self.ready_r, ready_w = os.pipe()
-        command = [sys.executable, str(tree / "scripts" / "workload.py"), *args, "--wait-stdin",
-                   "--ready-fd", str(ready_w)]  # fmt: skip
-        self.proc = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(ready_w,)
-        )
-        os.close(ready_w)
-        self.ready = json.loads(_line(self.ready_r, 600))
-        self.pid = self.proc.pid
-
-    def go(self) -> None:
-        self.proc.stdin.write(b"go\n")
-        self.proc.stdin.flush()
+        super().__init__([sys.executable, str(tree / "scripts" / "workload.py"), *args])
 
     def finish(self, timeout: float = 900) -> dict:
         out, _ = self.proc.communicate(timeout=timeout)
-        os.close(self.ready_r)
         return json.loads(out.decode().strip().splitlines()[-1])
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-
-
-def _line(fd: int, timeout: float) -> str:
-    """The next line on a pipe fd, waiting at most `timeout` seconds."""
-    data, deadline = b"", time.monotonic() + timeout
-    while not data.endswith(b"\n"):
-        readable, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
-        chunk = os.read(fd, 4096) if readable else b""
-        if not chunk:
-            raise SystemExit(f"error: no line within {timeout} s (got {data!r})")
-        data += chunk
-    return data.decode().splitlines()[-1]
 
 
 def _attach(pid: int, *flags: str) -> subprocess.Popen:
@@ -171,7 +143,7 @@ def attach_latency(opts: dict) -> dict:
         if not match:
             raise SystemExit(f"error: attach saw no event: {err.decode()[-2000:]}")
     finally:
-        workload.kill()
+        workload.close()
     return {"first event s": float(match.group(1))}
 
 
@@ -179,27 +151,77 @@ def tokens(opts: dict) -> dict:
     """SmolLM2 generating --requests x --tokens while `attach --pid P` (default flags) is attached:
     the workload's own tokens/s (from "go" to its last token)."""
     tree = Path(opts["tree"])
+    threads = str(opts.get("threads", 1))
     workload = Workload(tree, "--model", opts["model"], "--requests", str(opts["requests"]),
-                        "--max-new-tokens", str(opts["tokens"]), "--threads", "1")  # fmt: skip
+                        "--max-new-tokens", str(opts["tokens"]), "--threads", threads)  # fmt: skip
     agent = None
     try:
-        agent = _attach(workload.pid)
-        _wait_for(agent, b"attached in")
+        if opts.get("agent", True):  # False: the workload alone, the no-agent arm of a slowdown
+            agent = _attach(workload.pid, *opts.get("flags", ()))
+            _wait_for(agent, b"attached in")
         workload.go()
         summary = workload.finish()
-        agent.send_signal(signal.SIGINT)
-        _, err = agent.communicate(timeout=300)
-        if agent.returncode != 0:
-            raise SystemExit(f"error: attach exited {agent.returncode}: {err.decode()[-2000:]}")
+        if agent is not None:
+            agent.send_signal(signal.SIGINT)
+            _, err = agent.communicate(timeout=300)
+            if agent.returncode != 0:
+                raise SystemExit(f"error: attach exited {agent.returncode}: {err.decode()[-2000:]}")
     finally:
-        workload.kill()
+        workload.close()
         if agent is not None and agent.poll() is None:
             agent.kill()
             agent.wait(timeout=30)
     return {"tokens/s": summary["tokens_per_s"]}
 
 
-FIGURES = {"ingest": ingest, "otlp": otlp, "attach": attach_latency, "tokens": tokens}
+def resident(opts: dict) -> dict:
+    """The agent's resident set on bench/soak.py's paced libc10 target: `attach --profile mem --db X
+    --overhead-budget 0` (every event stored, nothing shed) sampled from /proc once a second, first while
+    the target waits (idle: nothing to drain), then while it makes `rate` events/s for `seconds`.
+    Figures: RSS idle (the last idle sample), RSS at rate (the largest sample in the second half of the
+    loaded phase, when DuckDB's buffers have filled), and the agent's CPU as % of a core under load."""
+    from bench.procstat import cpu_seconds, rss_bytes
+    from bench.soak import build_target, libc10_path
+
+    with tempfile.TemporaryDirectory(prefix="llmobs-rt-rss-") as tmp:
+        binary = build_target(Path(tmp))
+        pairs = opts["rate"] / 2  # each alloc_cpu/free_cpu pair is two mem events
+        target = subprocess.Popen([str(binary), str(libc10_path()), str(pairs), str(opts["seconds"] + 60)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        agent = None
+        try:
+            assert target.stdout.readline().strip() == b"ready"
+            agent = _attach(
+                target.pid, "--profile", "mem", "--db", f"{tmp}/r.duckdb", "--overhead-budget", "0"
+            )
+            _wait_for(agent, b"attached in")
+            idle = []
+            for _ in range(int(opts["idle_s"])):
+                time.sleep(1.0)  # pacing the samples, not synchronising
+                idle.append(rss_bytes(agent.pid))
+            target.stdin.write(b"go\n")
+            target.stdin.flush()
+            loaded, cpu0, began = [], cpu_seconds(agent.pid), time.monotonic()
+            for _ in range(int(opts["seconds"])):
+                time.sleep(1.0)
+                loaded.append(rss_bytes(agent.pid))
+            cpu_pct = 100 * (cpu_seconds(agent.pid) - cpu0) / (time.monotonic() - began)
+            agent.send_signal(signal.SIGINT)
+            _, err = agent.communicate(timeout=300)
+            if agent.returncode != 0:
+                raise SystemExit(f"error: attach exited {agent.returncode}: {err.decode()[-2000:]}")
+        finally:
+            target.kill()
+            target.wait(timeout=30)
+            if agent is not None and agent.poll() is None:
+                agent.kill()
+                agent.wait(timeout=30)
+    mb = 1 / (1 << 20)
+    return {"RSS idle MB": idle[-1] * mb, "RSS at rate MB": max(loaded[len(loaded) // 2 :]) * mb,
+            "agent CPU %": cpu_pct}  # fmt: skip
+
+
+FIGURES = {"ingest": ingest, "otlp": otlp, "attach": attach_latency, "tokens": tokens, "rss": resident}
 
 
 def main() -> int:

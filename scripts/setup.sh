@@ -126,5 +126,6 @@ fi
 "$VENV/bin/python" "$ROOT/scripts/gen_proto.py"
 
 # --- 6. check the result -----------------------------------------------------------------------
-"$VENV/bin/python" -c 'import bcc, torch, duckdb, llmobs' || die "the venv cannot import bcc/torch/duckdb/llmobs"
+"$VENV/bin/python" -c 'import bcc, torch, duckdb, llmobs, fastapi, uvicorn, openai' \
+  || die "the venv cannot import bcc/torch/duckdb/llmobs/fastapi/uvicorn/openai"
 say "done. Try: $VENV/bin/llmobs-agent doctor"

@@ -18,8 +18,20 @@ _LAZY = {
 }
 
 
+_LAZY_MODULES = {
+    # llmobs.serving.instrument_manager(manager): continuous-batching engines (docs/serving.md)
+    "serving": "llmobs.publisher.hf_serving",
+}
+
+
 def __getattr__(name: str):
     # Lazy: `import llmobs` costs nothing until the workload actually uses the publisher.
+    if name in _LAZY_MODULES:
+        import importlib
+
+        value = importlib.import_module(_LAZY_MODULES[name])
+        globals()[name] = value
+        return value
     if name in _LAZY:
         import importlib
 

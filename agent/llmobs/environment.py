@@ -38,7 +38,7 @@ export, otlp, explain, demo) and the daemon's settings.
 LLMOBS_DUCKDB_MEMORY_LIMIT = "LLMOBS_DUCKDB_MEMORY_LIMIT"
 """DuckDB's memory limit (a DuckDB size, e.g. 128MB) for a store the agent writes; it spills beyond.
 
-Default: 256MB. Read by: store/sink.py (attach, demo, run).
+Default: 32MB. Read by: store/sink.py (attach, demo, run).
 """
 
 LLMOBS_RUN_DIR = "LLMOBS_RUN_DIR"
@@ -52,6 +52,13 @@ LLMOBS_CACHE_DIR = "LLMOBS_CACHE_DIR"
 """A writable directory for the probe-cost calibration's private executable file (tried first).
 
 Default: /run/llmobs, then $TMPDIR. Read by: bpf/calibrate.py (attach and run, when the governor is on).
+"""
+
+LLMOBS_BPF_CACHE_DIR = "LLMOBS_BPF_CACHE_DIR"
+"""Where compiled BPF programs are cached (one file per source, kernel and bcc version), so an attach
+after the first does not compile; a private directory (0700, ours), created when missing.
+
+Default: /var/cache/llmobs/bpf as root, else ~/.cache/llmobs/bpf. Read by: bpf/cache.py (attach, run, demo).
 """
 
 LLMOBS_BPF_DIR = "LLMOBS_BPF_DIR"

@@ -83,7 +83,8 @@ def test_top_once_shows_a_live_attach(tmp_path):
             [*AGENT, "top", "--once", "--pid", str(workload.pid)], capture_output=True, text=True, env=env,
             timeout=60,
         ).stdout  # fmt: skip
-        line = shown.splitlines()[-1].split()
+        # the process table's row (the per-tenant table under it starts with the pid too)
+        line = next(row.split() for row in shown.splitlines() if row.split()[:1] == [str(workload.pid)])
         assert line[0] == str(workload.pid) and line[-2:] == ["agent", str(agent.pid)], shown
         assert line[4] != "-" and float(line[4]) > 0, shown  # tokens/s
         assert line[10] != "-" and float(line[10]) > 0, (shown, snapshot.read_text())  # GEMM calls per step

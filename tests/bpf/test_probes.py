@@ -173,3 +173,28 @@ def test_session_close_detaches_everything(program):
         session.close()
     left = leftovers(agent_pid=os.getpid(), target_pid=target.pid)
     assert left["perf"] == [] and left["uprobe_events"] == []
+
+
+def test_a_switched_off_probe_counts_nothing_and_counts_again_when_on(program):
+    """The governor's switch word (ProbeProgram.set_probe_enabled) on the real kernel: the ioctl
+    tracepoint pair and the linear uprobe, counted exactly with the word on, off and on again; a probe
+    left on is not touched by another's word."""
+    with Target() as target:
+        session = _attach(program, target)
+        try:
+            target.step(1, _trace(1), gemms=40, ioctls=50)
+            assert program.set_probe_enabled("ioctl", False) and program.set_probe_enabled("linear", False)
+            assert not program.set_probe_enabled("ioctl", False)  # already off: no change
+            assert not program.probe_enabled("ioctl") and program.probe_enabled("sgemm")
+            target.step(2, _trace(2), gemms=40, ioctls=50)
+            assert program.set_probe_enabled("ioctl", True) and program.set_probe_enabled("linear", True)
+            target.step(3, _trace(3), gemms=40, ioctls=50)
+            _events, final = session.close()
+        finally:
+            program.set_probe_enabled("ioctl", True)
+            program.set_probe_enabled("linear", True)
+    counts = {key: value[0] for key, value in _by_name(final).items()}
+    for step in (1, 3):
+        assert counts.get(("ioctl", step)) == 50 and counts.get(("linear", step)) == 40, counts
+    assert ("ioctl", 2) not in counts and ("linear", 2) not in counts, counts
+    assert counts.get(("sgemm", 2)) == 40  # its word stayed on

@@ -24,7 +24,6 @@ SIGKILL), so "nothing leaked" cannot pass by attaching nothing.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import select
 import signal
@@ -107,7 +106,7 @@ def _our_perf_events() -> list[dict]:
 
 
 def _our_links() -> int:
-    """BPF links whose program belongs to the program set of this test (bcc attaches through perf
+    """BPF links whose program belongs to the program set of this test (programs attach through perf
     events, so none is expected; counted so that a switch to links cannot leak them unseen)."""
     import json
 
@@ -116,11 +115,11 @@ def _our_links() -> int:
 
 def _slot_pid(program: ProbeProgram, pid: int) -> int:
     """Which pid holds the target slot that `pid` maps to (0: free)."""
-    return int(program.bpf[b"llmobs_targets"][ctypes.c_int(pid % TARGET_SLOTS)].pid)
+    return program.targets().get(pid % TARGET_SLOTS, (0, 0))[0]
 
 
 def _occupied_slots(program: ProbeProgram) -> list[int]:
-    return [int(leaf.pid) for _key, leaf in program.bpf[b"llmobs_targets"].items() if leaf.pid]
+    return [pid for pid, _cell in program.targets().values()]
 
 
 def _until_dead(session: AttachSession, timeout: float = 10.0) -> None:

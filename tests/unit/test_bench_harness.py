@@ -15,6 +15,7 @@ from bench.harness import (
     Arm,
     BenchError,
     Command,
+    Comparison,
     Report,
     fmt,
     ratio_ci,
@@ -41,6 +42,32 @@ def test_run_calls_the_arms_in_schedule_order_after_unrecorded_warmup() -> None:
     assert calls == [("A", -1), ("B", -1), ("A", 0), ("B", 0), ("B", 1), ("A", 1), ("A", 2), ("B", 2)]
     assert made.order == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
     assert made.values("B", "items") == [1.0, 2.0, 3.0]
+
+
+def test_until_adds_balanced_rounds_until_the_interval_is_narrow_enough() -> None:
+    # B's ratio to A alternates 1.1 / 0.9 for four rounds, then is exactly 1: the interval narrows only
+    # as rounds are added, so the number of rounds run says whether the stopping rule works.
+    noise = [1.1, 0.9, 1.1, 0.9] + [1.0] * 40
+
+    def a(ctx) -> dict:
+        return {"x": 1.0}
+
+    def b(ctx) -> dict:
+        return {"x": noise[ctx.index]}
+
+    arms = [Arm("A", a), Arm("B", b)]
+    made = Report("t", echo=False).compare("c", arms, rounds=4, until=0.02, metrics=["x"], max_rounds=40)
+    rounds = len(made.values("B", "x"))
+    assert made.widest() <= 0.02
+    assert rounds % 2 == 0 and 4 < rounds < 40
+    shorter = Comparison("c", ["A", "B"], metrics=["x"])
+    for index in range(rounds - 2):
+        shorter.record("A", index, {"x": 1.0})
+        shorter.record("B", index, {"x": noise[index]})
+    assert shorter.widest() > 0.02  # it stopped at the first balanced count that was narrow enough
+    capped = Report("t", echo=False).compare("c", arms, rounds=2, until=0.0, metrics=["x"], max_rounds=6)
+    assert len(capped.values("B", "x")) == 6
+    assert [index for index, _ in capped.order] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
 
 def test_summary_is_min_median_max() -> None:

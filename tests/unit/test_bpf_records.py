@@ -48,9 +48,15 @@ def test_kind_and_counter_indices_match():
 
 
 def test_slot_counts_match():
-    from llmobs.bpf.program import TARGET_SLOTS
+    from llmobs.bpf.program import MAX_PROBES, START_SLOTS, TARGET_SLOTS, start_slot
 
     assert re.search(rf"#define LLMOBS_TARGET_SLOTS {TARGET_SLOTS}\b", HEADER)
+    assert re.search(rf"#define LLMOBS_MAX_PROBES {MAX_PROBES}\b", HEADER)
+    start_bits = int(re.search(r"#define LLMOBS_START_SLOTS \(1 << (\d+)\)", HEADER).group(1))
+    assert 1 << start_bits == START_SLOTS
+    # llmobs_slot(): what reset_maps zeroes after calibration must be where the handlers wrote
+    assert "return ((tid << 6) ^ probe) & (LLMOBS_START_SLOTS - 1);" in HEADER
+    assert start_slot(3, 5) == (3 << 6) ^ 5 and start_slot(1 << 20, 0) == 0
 
 
 def test_mix64_known_values_and_constants():

@@ -135,6 +135,38 @@ def test_streaming_equals_scoring_the_whole_sequence_whatever_the_chunks_and_int
     assert detector.counters.steps == 160 and detector.counters.open == 2
 
 
+@pytest.mark.parametrize("few", [0, 2])  # 0: every batch through the one-pass path for many requests
+def test_a_batch_of_many_requests_scores_as_each_request_alone(monkeypatch, few):
+    from llmobs.diagnostics import detectors
+
+    monkeypatch.setattr(detectors, "FEW_REQUESTS", few)
+    series = {f"{i:x}" * 32: _noisy(10 + i, n=90) for i in range(6)}
+    for i, losses in enumerate(series.values()):
+        losses[20 + 9 * i] = 9.0
+        losses[3 * i + 1] = np.nan  # a step without a target: neither tested nor in any window
+    want = {(t, int(s), f"loss_{d}") for t, x in series.items() for d in DETECTORS
+            for s in np.flatnonzero(score_sequence(x).flagged(d))}  # fmt: skip
+    assert len(want) >= 12
+    detector = StreamingDetector(DetectorConfig())
+    got, details = set(), {}
+    cuts = [0, 5, 6, 40, 41, 77, 90]  # batches of 6 x 1 .. 6 x 36 steps: both key paths
+    for lo, hi in zip(cuts, cuts[1:], strict=False):
+        parts = [_steps(t, x[lo:hi], first=1000 * (i + 1), row=i, start=lo)
+                 for i, (t, x) in enumerate(series.items())]  # fmt: skip
+        rows = detector.add(_concat(parts), now_ns=1)
+        if rows:
+            got |= set(zip(rows["trace_id"], rows["step"], rows["kind"], strict=True))
+            keys = zip(rows["trace_id"], rows["step"], rows["kind"], strict=True)
+            details.update(zip(keys, rows["detail"], strict=True))
+    assert got == want
+    assert detector.counters.steps == 6 * 90 and detector.counters.open == 6
+    trace, losses = next(iter(series.items()))
+    alone = StreamingDetector(DetectorConfig()).add(_steps(trace, losses, first=1000, row=0), now_ns=1)
+    keys = zip(alone["trace_id"], alone["step"], alone["kind"], strict=True)
+    for key, detail in zip(keys, alone["detail"], strict=True):
+        assert json.loads(details[key]) == pytest.approx(json.loads(detail))
+
+
 def test_anomaly_rows_carry_the_request_key_and_why():
     losses = np.full(30, 1.0) + np.random.default_rng(0).normal(0, 0.1, 30)
     losses[25] = 4.0

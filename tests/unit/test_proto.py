@@ -38,6 +38,9 @@ PUBLISHED_FIELDS: dict[str, dict[str, int]] = {
         "session": 18,
         "model_id": 19,
         "kv_len": 20,
+        "tokens_in_pass": 21,
+        "request_seq": 22,
+        "request_id": 23,
     },
     "TokenStepBatch": {"steps": 1},
     "GpuOp": {

@@ -240,3 +240,38 @@ def test_nvml_samples_reach_each_targets_pipeline_once_a_second():
     assert len(gpu_process.gpu_rows) == 1
     rows = gpu_process.gpu_rows[0]
     assert set(np.asarray(rows["pid"]).tolist()) == {100}
+
+
+def test_a_detached_target_keeps_the_governors_last_state_of_it_for_the_summary():
+    # attach's detach summary prints the estimate and its mean; the governor forgets the target at
+    # remove(), so the runtime reads the state first (it printed "0.00%" with no mean before)
+    runtime = agent(budget=0.01)
+    runtime.add(Session(5))
+    tracked = runtime.governor.targets[5]
+    tracked.estimate, tracked.estimate_sum, tracked.estimate_weight = 0.012, 0.03, 2.0
+    detached = runtime.remove(5, "target exited")
+    assert runtime.governor.target_state(5) is None  # forgotten by the governor...
+    assert detached.governor_state["estimate"] == 0.012  # ...but kept for the summary
+    assert detached.governor_state["mean_estimate"] == pytest.approx(0.015)
+    import io
+
+    from llmobs.commands.attach import _print_governor
+
+    out = io.StringIO()
+    _print_governor(runtime.governor, Session(5), detached.governor_state, out)
+    assert "estimated slowdown at detach 1.20%, mean 1.50%" in out.getvalue()
+
+
+def test_the_detach_summary_says_in_one_line_where_the_agent_degraded():
+    import io
+
+    from llmobs.commands.attach import _print_degrades
+
+    out = io.StringIO()
+    _print_degrades({"correlate_stretched": 2, "map_reads_deferred": 1_500, "token_steps": 9}, out)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "correlate runs put off 2 time(s)" in lines[0]
+    assert "map reads deferred 1,500 time(s)" in lines[0]
+    quiet = io.StringIO()
+    _print_degrades({"token_steps": 9}, quiet)
+    assert quiet.getvalue() == ""

@@ -28,7 +28,8 @@ def test_agreed_names_are_kept():
     text = cheader.render()
     assert "#define LLMOBS_CTX_OFFSET           256 " in text
     cell = re.search(r"struct llmobs_ctx_cell \{(.*?)\};", text, re.S).group(1)
-    fields = re.findall(r"__u64 (\w+(?:\[\d+\])?);", cell)
+    fields = re.findall(r"__u(?:64|32) (\w+(?:\[\d+\])?);", cell)
+    # the first four words are what the BPF programs read (bpf/c/llmobs_events.h); v3 added the last four
     assert fields == [
         "seq",
         "trace_id_hi",
@@ -36,8 +37,25 @@ def test_agreed_names_are_kept():
         "step_seq",
         "tenant_hash",
         "session_hash",
-        "reserved[2]",
+        "rows",
+        "flags",
+        "tokens",
+        "reserved",
     ]
+
+
+def test_v2_layout_is_derived_unchanged():
+    """The reader's v2 layout (fields added later turned back into reserved words) hashes to the value
+    every v2 writer stamped into its maps."""
+    assert layout.LAYOUT_HASHES[2] == 0xF3D8802A8F2A97B4
+    assert layout.LAYOUT_HASHES[3] == layout.LAYOUT_HASH
+    v2 = {s.c_name: s for s in layout.layout_for(2)}
+    assert "llmobs_request_record" not in v2
+    assert (
+        v2["llmobs_step_record"].fields[-1].name == "reserved"
+        and v2["llmobs_step_record"].fields[-1].count == 1
+    )
+    assert v2["llmobs_header"].fields[-1].count == 4 and v2["llmobs_ctx_cell"].fields[-1].count == 2
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")

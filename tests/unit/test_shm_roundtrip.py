@@ -44,7 +44,11 @@ def test_file_header_and_permissions(writer, tmp_path):
     assert writer.path == str(tmp_path / f"llmobs.{os.getpid()}")
     with ShmReader(os.getpid(), shm_dir=str(tmp_path)) as r:
         h = r.header
-        assert h["magic"] == layout.MAGIC and h["abi_version"] == 2 and h["layout_size"] == st.st_size
+        assert (
+            h["magic"] == layout.MAGIC
+            and h["abi_version"] == layout.ABI_VERSION
+            and h["layout_size"] == st.st_size
+        )
         assert h["writer_pid"] == os.getpid() and h["state"] == layout.STATE_LIVE
         assert h["steps_capacity"] == 8 and h["clock_id"] == layout.CLOCK_MONOTONIC
         r.read_names()

@@ -83,3 +83,41 @@ def test_close_commits_what_is_pending(store):
     assert writer.submit(_records(123))
     assert writer.close(timeout=30)
     assert store.count("mem_events") == 123
+
+
+def _map_steps(first: int, n: int) -> dict:
+    """token_steps as the map reader hands them: numpy columns, strings as lists."""
+    seq = np.arange(first, first + n, dtype=np.int64)
+    return {"pid": np.full(n, 5, np.int32), "step_seq": seq, "t_start_ns": seq * 1000,
+            "t_end_ns": seq * 1000 + 500, "trace_id": ["ab" * 16] * n,
+            "model_id": [f"m{i % 2}" for i in range(n)]}  # fmt: skip
+
+
+def test_small_items_are_converted_once_per_table_and_committed_together(store):
+    # a slowly stepping target hands ~25 tiny items a second: held raw, merged per table at the commit
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_rows=10**9, max_delay_s=60)
+    for i in range(20):
+        assert writer.submit({"token_steps": _map_steps(10 * i, 2)})
+        assert writer.submit(_records(3, seed=i))
+    assert writer.flush(timeout=30)
+    assert writer.counters.commits == 1 and writer.counters.committed_rows == 100
+    assert store.count("token_steps") == 40 and store.count("mem_events") == 60
+    models = store.query("SELECT model_id, count(*) AS n FROM token_steps GROUP BY 1 ORDER BY 1")
+    assert models.column("model_id").to_pylist() == ["m0", "m1"] and models.column("n").to_pylist() == [
+        20,
+        20,
+    ]
+    assert writer.close()
+
+
+def test_a_bad_item_among_merged_ones_fails_alone(store):
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_rows=10**9, max_delay_s=60)
+    assert writer.submit({"token_steps": _map_steps(0, 3)})
+    bad = _map_steps(100, 4)
+    bad["step_seq"] = bad["step_seq"][:1]  # columns of different lengths: no table can be made of it
+    assert writer.submit({"token_steps": bad})
+    assert writer.submit({"token_steps": _map_steps(200, 5)})
+    assert writer.flush(timeout=30)
+    assert writer.counters.failed_rows == 4 and writer.counters.committed_rows == 8
+    assert store.count("token_steps") == 8
+    assert writer.close()

@@ -8,11 +8,9 @@ tags with them) into user space and deletes them, keeping the bounded map from f
 
 from __future__ import annotations
 
-import ctypes as ct
-import errno
-
 import numpy as np
 
+from llmobs.bpf import syscall
 from llmobs.bpf.records import AGG_KEY_DTYPE, AGG_VAL_DTYPE
 
 # a step is final once the process is this many steps further: no thread still tags events with it
@@ -20,36 +18,30 @@ FINISHED_STEP_MARGIN = 2
 
 
 def possible_cpus() -> int:
-    from bcc.utils import get_possible_cpus
-
-    return len(get_possible_cpus())
+    return syscall.possible_cpus()
 
 
 def read_percpu_hash(lib, map_fd: int, capacity: int, ncpus: int) -> tuple[np.ndarray, np.ndarray]:
-    """(keys, values summed over CPUs) of a per-CPU hash with AGG_KEY/AGG_VAL records."""
+    """(keys, values summed over CPUs) of a per-CPU hash with AGG_KEY/AGG_VAL records, read with
+    BPF_MAP_LOOKUP_BATCH straight into numpy buffers. `lib` is unused (it was bcc's libbcc)."""
     keys = np.zeros(capacity, dtype=AGG_KEY_DTYPE)
     values = np.zeros((capacity, ncpus), dtype=AGG_VAL_DTYPE)
-    in_batch, out_batch, count = ct.c_uint32(0), ct.c_uint32(0), ct.c_uint32(0)
+    batch = np.zeros(1, dtype=np.uint64)  # the kernel's opaque position token (a u32 bucket for hashes)
     total = 0
     first = True
     while total < capacity:
-        count.value = capacity - total
-        res = lib.bpf_lookup_batch(
+        count, end = syscall.map_lookup_batch(
             map_fd,
-            None if first else ct.byref(in_batch),
-            ct.byref(out_batch),
+            None if first else batch,
+            batch,
             keys.ctypes.data + total * AGG_KEY_DTYPE.itemsize,
             values.ctypes.data + total * ncpus * AGG_VAL_DTYPE.itemsize,
-            ct.byref(count),
+            capacity - total,
         )
-        err = ct.get_errno()
-        total += count.value
-        if res != 0:
-            if err in (errno.ENOENT, 0):
-                break
-            raise OSError(err, f"BPF_MAP_LOOKUP_BATCH on the aggregates map: {errno.errorcode.get(err, err)}")
+        total += count
+        if end:
+            break
         first = False
-        in_batch.value = out_batch.value
     summed = np.zeros(total, dtype=AGG_VAL_DTYPE)
     for field in AGG_VAL_DTYPE.names:
         summed[field] = values[:total][field].sum(axis=1)
@@ -57,24 +49,77 @@ def read_percpu_hash(lib, map_fd: int, capacity: int, ncpus: int) -> tuple[np.nd
 
 
 def delete_keys(lib, map_fd: int, keys: np.ndarray) -> None:
+    """Deletes these keys in one BPF_MAP_DELETE_BATCH. `lib` is unused (it was bcc's libbcc)."""
     if len(keys):
         buf = np.ascontiguousarray(keys)
-        count = ct.c_uint32(len(buf))
-        lib.bpf_delete_batch(map_fd, buf.ctypes.data, ct.byref(count))
+        syscall.map_delete_batch(map_fd, buf, len(buf))
 
 
 class Totals:
-    """Totals moved out of the kernel map, plus the live map, merged on read."""
+    """Totals moved out of the kernel map, plus the live map, merged on read.
+
+    Beside the per-step totals (what the detach summary and `merged` give) it keeps, as harvests
+    arrive, what each of them moved (`take_new`: probe_aggregates deltas for the store, without
+    comparing the whole history again) and running counts per (pid, probe) and of steps (`counts`,
+    `overview`): what the once-a-second readers need, in O(probes + live keys), never O(all steps)."""
 
     def __init__(self):
         self._harvested: dict[tuple[int, int, int], list[int]] = {}
+        self._new: dict[tuple[int, int, int], list[int]] = {}  # harvested since the last take_new()
+        self.track_new = False  # set by the one consumer of take_new() (the pipeline's AggregateSource)
+        self._by_probe: dict[tuple[int, int], int] = {}  # (pid, probe) -> events harvested
+        self._steps: set[tuple[int, int]] = set()  # (pid, step) of the non-zero steps harvested
+        self._newest = 0  # the newest step harvested
 
     def add(self, keys: np.ndarray, values: np.ndarray) -> None:
+        harvested, new, by_probe = self._harvested, self._new if self.track_new else None, self._by_probe
         for key, value in zip(keys.tolist(), values.tolist(), strict=True):
-            slot = self._harvested.setdefault(key, [0, 0, 0])
+            slot = harvested.get(key)
+            if slot is None:
+                slot = harvested[key] = [0, 0, 0]
+                if key[2]:
+                    self._steps.add((key[0], key[2]))
+                    self._newest = max(self._newest, key[2])
             slot[0] += value[0]
             slot[1] += value[1]
             slot[2] += value[2]
+            probe_key = key[:2]
+            by_probe[probe_key] = by_probe.get(probe_key, 0) + value[0]
+            if new is not None:
+                delta = new.setdefault(key, [0, 0, 0])
+                delta[0] += value[0]
+                delta[1] += value[1]
+                delta[2] += value[2]
+
+    def take_new(self) -> dict[tuple[int, int, int], list[int]]:
+        """What the harvests since the last call moved: (pid, probe, step_seq) -> deltas."""
+        new, self._new = self._new, {}
+        return new
+
+    def harvested(self, key: tuple[int, int, int]) -> list[int] | None:
+        return self._harvested.get(key)
+
+    def counts(self, live_keys: np.ndarray, live_values: np.ndarray) -> dict[tuple[int, int], int]:
+        """(pid, probe) -> events counted (harvested + live)."""
+        result = dict(self._by_probe)
+        if len(live_keys):
+            counts = live_values["count"].tolist()
+            for (pid, probe, _step), count in zip(live_keys.tolist(), counts, strict=True):
+                result[(pid, probe)] = result.get((pid, probe), 0) + count
+        return result
+
+    def overview(self, live_keys: np.ndarray, live_values: np.ndarray) -> tuple[int, int, int]:
+        """(events, distinct non-zero steps, newest step) over harvested + live, every pid."""
+        events = sum(self._by_probe.values())
+        live: set[tuple[int, int]] = set()
+        if len(live_keys):
+            events += int(live_values["count"].sum())
+            live = {(pid, step) for pid, _probe, step in live_keys.tolist() if step}
+        steps = len(self._steps) + len(live - self._steps)
+        last = max((step for _pid, step in live), default=0)
+        if self._steps:
+            last = max(last, self._newest)
+        return events, steps, last
 
     def merged(self, live_keys: np.ndarray, live_values: np.ndarray) -> dict[tuple[int, int, int], list[int]]:
         """(pid, probe, step_seq) -> [count, sum_value, sum_duration_ns] over harvested + live."""
@@ -88,6 +133,12 @@ class Totals:
 
 def finished(keys: np.ndarray) -> np.ndarray:
     """A mask of the keys whose step is FINISHED_STEP_MARGIN behind their pid's newest step."""
+    if not len(keys):
+        return np.zeros(0, dtype=bool)
+    pids = keys["pid"]
+    if pids.min() == pids.max():  # one pid (an attach session): no per-pid masks
+        steps = keys["step_seq"]
+        return (steps != 0) & (steps + FINISHED_STEP_MARGIN < steps.max())
     mask = np.zeros(len(keys), dtype=bool)
     for pid in np.unique(keys["pid"]):
         mine = keys["pid"] == pid

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 
 from llmobs import environment
+from llmobs.bpf import perf, syscall
 
 # ---- the calibration target: raw machine code --------------------------------------------------------------
 # loop(rdi=fn, rsi=n, rdx=args): push rbx/r12; rbx=fn; r12=n; rdi,rsi,rcx,r8,r9 = rdx (a pointer to an
@@ -64,19 +65,10 @@ DEFAULT_HANDLER_NS = 300.0
 # The baseline, an empty uprobe program (the cost of the trap alone): `r0 = 0; exit`, loaded as raw
 # instructions, since compiling even an empty C unit with bcc takes ~0.2 s here.
 _EMPTY_INSNS = bytes.fromhex("b7000000000000009500000000000000")
-_BPF_PROG_TYPE_KPROBE = 2
 
 
-def _load_empty_program(lib) -> int:
-    load = lib.bcc_prog_load
-    load.restype = ct.c_int
-    load.argtypes = (ct.c_int, ct.c_char_p, ct.c_void_p, ct.c_int, ct.c_char_p, ct.c_uint, ct.c_int,
-                     ct.c_char_p, ct.c_uint)  # fmt: skip
-    insns = ct.create_string_buffer(_EMPTY_INSNS, len(_EMPTY_INSNS))
-    fd = load(_BPF_PROG_TYPE_KPROBE, b"llmobs_cal_empty", insns, len(_EMPTY_INSNS), b"GPL", 0, 0, None, 0)
-    if fd < 0:
-        raise OSError(ct.get_errno(), "loading the empty calibration program")
-    return fd
+def _load_empty_program() -> int:
+    return syscall.prog_load(syscall.PROG_KPROBE, _EMPTY_INSNS, "llmobs_cal_empty")
 
 
 @dataclass(frozen=True)
@@ -203,29 +195,15 @@ class _Probes:
     """uprobes of given program fds on slots of the code file, for this process only."""
 
     def __init__(self, path: str):
-        from bcc.libbcc import lib
-
-        self.lib = lib
-        self.path = path.encode()
-        self.events: list[tuple[bytes, int]] = []
+        self.path = path
+        self.events: list[perf.PerfLink] = []
 
     def attach(self, prog_fd: int, slot: int, is_return: bool) -> None:
-        offset = _slot_offset(slot)
-        name = b"%s_llmobs_cal_%d_0x%x_%d" % (
-            b"r" if is_return else b"p",
-            os.getpid(),
-            offset,
-            len(self.events),
-        )
-        fd = self.lib.bpf_attach_uprobe(prog_fd, int(is_return), name, self.path, offset, os.getpid())
-        if fd < 0:
-            raise OSError(ct.get_errno(), f"uprobe on the calibration target at +{offset:#x}")
-        self.events.append((name, fd))
+        self.events.append(perf.attach_uprobe(prog_fd, self.path, _slot_offset(slot), os.getpid(), is_return))
 
     def close(self) -> None:
-        for name, fd in self.events:
-            self.lib.bpf_close_perf_event_fd(fd)
-            self.lib.bpf_detach_uprobe(name)
+        for link in self.events:
+            perf.detach(link)
         self.events.clear()
 
     def close_in_background(self, then=None) -> threading.Thread:
@@ -286,8 +264,6 @@ def measure(
     `program` is a loaded ProbeProgram whose handler functions are measured (None: classes only);
     calls = (calls per round on emulated slots, on stepped slots). Returns ClassCosts.
     """
-    from bcc import BPF
-
     began = time.perf_counter()
     handlers = list(handlers)
     code = CodeFile(handler_slots=len(handlers))
@@ -296,7 +272,7 @@ def measure(
     empty_fd = -1
     slots = dict(FIXED_SLOTS)
     try:
-        empty_fd = _load_empty_program(probes.lib)
+        empty_fd = _load_empty_program()
         for name, (slot, _cls) in FIXED_SLOTS.items():
             if name.startswith("empty"):
                 probes.attach(empty_fd, slot, False)
@@ -308,9 +284,9 @@ def measure(
             made_target = True
             for index, handler in enumerate(handlers):
                 slot = FIRST_HANDLER_SLOT + index
-                probes.attach(program.bpf.load_func(handler.entry.encode(), BPF.KPROBE).fd, slot, False)
+                probes.attach(program.prog_fd(handler.entry), slot, False)
                 if handler.ret:
-                    probes.attach(program.bpf.load_func(handler.ret.encode(), BPF.KPROBE).fd, slot, True)
+                    probes.attach(program.prog_fd(handler.ret), slot, True)
                 slots[f"h:{handler.key}"] = (slot, EMULATED)
         samples: dict[str, list[float]] = {name: [] for name in slots}
         for slot, _cls in slots.values():  # warm-up: fault the pages in, settle the caches
@@ -351,11 +327,11 @@ def _forget_own_totals(program) -> None:
     from llmobs.bpf import aggregates
 
     keys, _values = aggregates.read_percpu_hash(
-        program.lib, program.map_fd("llmobs_aggs"), program.agg_entries, aggregates.possible_cpus()
+        None, program.map_fd("llmobs_aggs"), program.agg_entries, aggregates.possible_cpus()
     )
     mine = keys["pid"] == os.getpid()
     if mine.any():
-        aggregates.delete_keys(program.lib, program.map_fd("llmobs_aggs"), keys[mine])
+        aggregates.delete_keys(None, program.map_fd("llmobs_aggs"), keys[mine])
 
 
 def default_costs(note: str) -> ClassCosts:
@@ -439,7 +415,7 @@ def probe_cost(resolved, classes: ClassCosts, durations: bool = False) -> ProbeC
 def calibrate(program, resolved, durations: bool = False, rounds: int = 5) -> dict[str, ProbeCost]:
     """Per-probe costs of `resolved` uprobes: measures the classes and handlers once per process (the
     handlers of later sessions with new probes are measured then), falls back to documented defaults
-    when the measurement cannot run (no bcc, no executable temp dir)."""
+    when the measurement cannot run (no executable temp dir, no uprobe PMU)."""
     global _classes
     handlers = handlers_of(resolved, durations)
     with _lock:

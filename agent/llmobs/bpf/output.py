@@ -16,34 +16,52 @@ from __future__ import annotations
 import json
 import queue
 import threading
+from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from llmobs.bpf.profiles import PROBES
 from llmobs.bpf.records import KINDS, trace_runs
 from llmobs.dataflow import SinkResult
 
-EVENT_SCHEMA = pa.schema(
-    [
-        ("pid", pa.uint32()),
-        ("tid", pa.uint32()),
-        ("cpu", pa.uint32()),
-        ("ts_ns", pa.uint64()),
-        ("probe", pa.string()),
-        ("kind", pa.string()),
-        ("step_seq", pa.uint64()),
-        ("trace_id", pa.string()),
-        ("value", pa.uint64()),
-        ("duration_ns", pa.uint64()),
-        ("sample_ratio", pa.uint32()),
-    ]
-)
-_PROBE_NAMES = pa.array([probe.name for probe in PROBES], pa.string())
-_KIND_NAMES = pa.array(list(KINDS), pa.string())
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+# pyarrow (~25 MB resident, +18 MB with compute and parquet) is imported when a table is built, not
+# with this module: `attach` without --out / --db imports it for companion_paths and write_summary.
+
+
+@lru_cache(maxsize=1)
+def _arrow():
+    """(pyarrow, pyarrow.compute, the events' schema, the probe names, the kind names), built once."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    schema = pa.schema(
+        [
+            ("pid", pa.uint32()),
+            ("tid", pa.uint32()),
+            ("cpu", pa.uint32()),
+            ("ts_ns", pa.uint64()),
+            ("probe", pa.string()),
+            ("kind", pa.string()),
+            ("step_seq", pa.uint64()),
+            ("trace_id", pa.string()),
+            ("value", pa.uint64()),
+            ("duration_ns", pa.uint64()),
+            ("sample_ratio", pa.uint32()),
+        ]
+    )
+    probes = pa.array([probe.name for probe in PROBES], pa.string())
+    return pa, pc, schema, probes, pa.array(list(KINDS), pa.string())
+
+
+def __getattr__(name: str):
+    if name == "EVENT_SCHEMA":  # the old module constant, built on first use
+        return _arrow()[2]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def companion_paths(out: str | Path) -> tuple[Path, Path, Path]:
@@ -56,6 +74,7 @@ def companion_paths(out: str | Path) -> tuple[Path, Path, Path]:
 def events_table(events: np.ndarray, sample_ratio: int) -> pa.Table:
     """Decoded columns of a batch, all built by numpy / Arrow kernels: names via `take` on the probe
     and kind codes, trace ids formatted once per run of equal ids."""
+    pa, pc, schema, probe_names, kind_names = _arrow()
     texts, runs = trace_runs(events["trace_id_hi"], events["trace_id_lo"])
     return pa.table(
         [
@@ -63,19 +82,21 @@ def events_table(events: np.ndarray, sample_ratio: int) -> pa.Table:
             pa.array(events["tid"]),
             pa.array(events["cpu"]),
             pa.array(events["ts_ns"]),
-            pc.take(_PROBE_NAMES, pa.array(events["probe"])),
-            pc.take(_KIND_NAMES, pa.array(events["kind"])),
+            pc.take(probe_names, pa.array(events["probe"])),
+            pc.take(kind_names, pa.array(events["kind"])),
             pa.array(events["step_seq"]),
             pc.take(pa.array(texts, pa.string()), pa.array(runs)),
             pa.array(events["value"]),
             pa.array(events["duration_ns"]),
             pa.array(np.full(len(events), sample_ratio, dtype=np.uint32)),
         ],
-        schema=EVENT_SCHEMA,
+        schema=schema,
     )
 
 
 def aggregates_table(totals: dict[tuple[int, int, int], list[int]]) -> pa.Table:
+    import pyarrow as pa
+
     rows = sorted(totals.items(), key=lambda item: (item[0][0], item[0][2], item[0][1]))
     names = [probe.name for probe in PROBES]
     return pa.table(
@@ -102,7 +123,9 @@ class ParquetEventWriter:
         self.written = 0
         self.error: str | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=max_batches)
-        self._writer = pq.ParquetWriter(self.path, EVENT_SCHEMA)
+        import pyarrow.parquet as pq
+
+        self._writer = pq.ParquetWriter(self.path, _arrow()[2])
         self._thread = threading.Thread(target=self._run, name="llmobs-parquet", daemon=True)
         self._thread.start()
 

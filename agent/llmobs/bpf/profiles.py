@@ -125,12 +125,14 @@ DEFAULT_PROFILES = ("cpu", "host")
 
 
 def parse_profiles(text: str) -> tuple[str, ...]:
-    """'cpu,host' -> ('cpu', 'host'); raises ValueError naming the unknown ones."""
+    """'cpu,host' -> ('cpu', 'host'); 'all' -> every profile; raises ValueError naming the unknown ones."""
     names = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    if "all" in names:
+        names = PROFILES
     unknown = [name for name in names if name not in PROFILES]
     if unknown or not names:
         raise ValueError(
-            f"unknown profile(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PROFILES)}"
+            f"unknown profile(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(PROFILES)} or all"
         )
     return names
 

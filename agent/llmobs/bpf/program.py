@@ -1,4 +1,5 @@
-"""Assembles the BPF C unit from bpf/c/NAME.bpf.c, compiles it with bcc, and attaches / detaches probes.
+"""Assembles the BPF C unit from bpf/c/NAME.bpf.c, has it compiled (bcc, in a child, cached) and loaded,
+and attaches / detaches probes.
 
 One compiled program can serve several attach sessions in turn (the tests reuse one): the target
 pid, the context-cell address and the sampling knobs live in maps, not in the compiled code.
@@ -6,15 +7,21 @@ pid, the context-cell address and the sampling knobs live in maps, not in the co
 
 from __future__ import annotations
 
+import contextlib
 import ctypes as ct
 import importlib.resources
 import os
 import re
+import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmobs import environment
+from llmobs.bpf import perf, syscall
 from llmobs.bpf.libraries import ResolvedProbe
+from llmobs.bpf.maps import BpfMap
+from llmobs.bpf.perf import PerfLink
 from llmobs.bpf.profiles import PROBE_IDS, PROBES, Probe
 from llmobs.bpf.records import SAMPLE_MODES
 from llmobs.errors import MissingLibrary, NothingAttached
@@ -25,6 +32,8 @@ _PACKAGED_BPF_DIR = Path(str(importlib.resources.files(__package__) / "c"))
 DEFAULT_RING_BYTES = 16 << 20
 DEFAULT_AGG_ENTRIES = 65536
 TARGET_SLOTS = 4096  # LLMOBS_TARGET_SLOTS of bpf/c/llmobs_events.h
+START_SLOTS = 1 << 17  # LLMOBS_START_SLOTS of bpf/c/llmobs_events.h
+MAX_PROBES = 64  # LLMOBS_MAX_PROBES of bpf/c/llmobs_events.h
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
 
 
@@ -88,14 +97,24 @@ def assemble(
 
 @dataclass
 class Attached:
-    """What one attach call left in the kernel, so detach can remove exactly that."""
+    """What one attach call left in the kernel, so detach can remove exactly that: one perf event per
+    uprobe / uretprobe / tracepoint (llmobs.bpf.perf.PerfLink)."""
 
-    uprobe_events: list[bytes] = field(default_factory=list)
-    tracepoints: list[bytes] = field(default_factory=list)
+    uprobe_events: list[PerfLink] = field(default_factory=list)
+    tracepoints: list[PerfLink] = field(default_factory=list)
+
+
+def _cflags() -> list[str]:
+    return [f"-I{bpf_dir()}"]
 
 
 class ProbeProgram:
-    """A compiled llmobs BPF program (bcc) and its maps."""
+    """The llmobs BPF program for these probes, loaded into the kernel, and its maps.
+
+    Compiled by bcc in a child process and cached (llmobs.bpf.loader / cache): this process loads
+    the cached instructions with the bpf(2) syscall and attaches them with perf_event_open, so neither
+    bcc nor LLVM is ever mapped into the agent. `stats` says whether the cache hit and what it cost.
+    """
 
     def __init__(
         self,
@@ -103,133 +122,206 @@ class ProbeProgram:
         ring_bytes: int = DEFAULT_RING_BYTES,
         agg_entries: int = DEFAULT_AGG_ENTRIES,
     ):
-        from bcc import BPF  # imported here: `llmobs-agent --help` must not need bcc
+        from llmobs.bpf import loader
 
         self.probes = probes
         self.ring_bytes = ring_bytes
         self.agg_entries = agg_entries
         self.source = assemble(probes, ring_bytes, agg_entries)
-        self.bpf = BPF(text=self.source.encode(), cflags=[f"-I{bpf_dir()}"])
-        from bcc.libbcc import lib
-
-        self.lib = lib
+        self._loaded, self.stats = loader.load(self.source, _cflags())
+        self.maps = {name: BpfMap(fd, self._loaded.specs[name]) for name, fd in self._loaded.map_fds.items()}
+        self.functions = tuple(self._loaded.prog_fds)
+        self._links: dict[int, PerfLink] = {}  # every perf event this program holds, by fd
+        # What reset_maps must undo. Maps the kernel just created are empty: nothing. Only this process
+        # made a target (calibration, which runs before every attach): its threads' start slots, the
+        # hashes and the counters - ~1 ms. Anything else (another process's probes, a shed): every map;
+        # zeroing the 131 k start slots alone (8 MB through BPF_MAP_UPDATE_BATCH) took 0.07 s quiet and
+        # 0.3-0.4 s on the loaded host, most of a warm attach's latency.
+        self._dirty: str | None = None  # None | "own" | "full"
+        self._own_tids: set[int] = set()  # threads of this process that ran a handler as a target
 
     # ---- maps -------------------------------------------------------------------------------------------
     def map_fd(self, name: str) -> int:
-        return self.bpf[name.encode()].map_fd
+        return self._map(name).fd
+
+    def _map(self, name: str) -> BpfMap:
+        try:
+            return self.maps[name]
+        except KeyError:
+            raise KeyError(f"the loaded program has no map {name}") from None
+
+    def prog_fd(self, function: str) -> int:
+        """The fd of a loaded BPF function (its name in bpf/c), e.g. for calibration's own uprobes."""
+        try:
+            fd = self._loaded.prog_fds[function]
+        except KeyError:
+            raise KeyError(f"the loaded program has no function {function}") from None
+        self._dirty = self._dirty or "own"  # whoever attaches it may make the handlers count
+        return fd
+
+    def prog_ids(self) -> dict[str, int]:
+        """BPF function name -> kernel program id (what bpftool shows)."""
+        return {name: syscall.prog_id(fd) for name, fd in self._loaded.prog_fds.items()}
 
     def set_sampling(self, sample_n: int, mode: str) -> None:
-        config = self.bpf[b"llmobs_config"]
-        config[ct.c_int(0)] = config.Leaf(max(sample_n, 1), SAMPLE_MODES[mode])
+        self._map("llmobs_config").update(_U32.pack(0), _CONFIG.pack(max(sample_n, 1), SAMPLE_MODES[mode]))
+
+    def targets(self) -> dict[int, tuple[int, int]]:
+        """Occupied target slots: slot -> (pid, context-cell address)."""
+        raw = self._map("llmobs_targets").read_array()
+        slots = {}
+        for slot, (pid, _pad, cell) in enumerate(_TARGET.iter_unpack(raw)):
+            if pid:
+                slots[slot] = (pid, cell)
+        return slots
+
+    def _slot_pid(self, slot: int) -> int:
+        value = self._map("llmobs_targets").lookup(_U32.pack(slot))
+        return _TARGET.unpack(value)[0] if value else 0
 
     def set_target(self, pid: int, cell_address: int) -> None:
         """Makes pid a target (slot pid % TARGET_SLOTS); cell_address 0 tags its events untracked."""
-        table = self.bpf[b"llmobs_targets"]
-        slot = ct.c_int(pid % TARGET_SLOTS)
-        if table[slot].pid not in (0, pid):
+        slot = pid % TARGET_SLOTS
+        if pid == os.getpid():  # calibration: the handlers run in this thread, on this process's probes
+            self._dirty = self._dirty or "own"
+            self._own_tids.add(threading.get_native_id())
+        else:
+            self._dirty = "full"
+        holder = self._slot_pid(slot)
+        if holder not in (0, pid):
             raise NothingAttached(
-                f"pid {pid} shares its target slot with pid {table[slot].pid}, attached already",
+                f"pid {pid} shares its target slot with pid {holder}, attached already",
                 hint="attach one of them at a time",
             )
-        table[slot] = table.Leaf(pid, 0, cell_address)
+        self._map("llmobs_targets").update(_U32.pack(slot), _TARGET.pack(pid, 0, cell_address))
 
     def remove_target(self, pid: int) -> None:
-        table = self.bpf[b"llmobs_targets"]
-        slot = ct.c_int(pid % TARGET_SLOTS)
-        if table[slot].pid == pid:
-            table[slot] = table.Leaf(0, 0, 0)
+        slot = pid % TARGET_SLOTS
+        if self._slot_pid(slot) == pid:
+            self._map("llmobs_targets").update(_U32.pack(slot), _TARGET.pack(0, 0, 0))
 
     def set_watched_fds(self, pid: int, fds: set[int]) -> None:
         """Replaces the (pid, fd) set the ioctl probe watches."""
         if "sys_ioctl" not in {probe.source for probe in self.probes}:
             return
-        table = self.bpf[b"llmobs_ioctl_fds"]
-        current = {(key.pid, key.fd) for key in table if key.pid == pid}
+        table = self._map("llmobs_ioctl_fds")
+        current = {key for key in map(_FD_KEY.unpack, table.iter_keys()) if key[0] == pid}
         wanted = {(pid, fd) for fd in fds}
-        for key_pid, fd in current - wanted:
-            del table[table.Key(key_pid, fd)]
-        for key_pid, fd in wanted - current:
-            table[table.Key(key_pid, fd)] = ct.c_uint8(1)
+        for key in current - wanted:
+            table.delete(_FD_KEY.pack(*key))
+        for key in wanted - current:
+            table.update(_FD_KEY.pack(*key), b"\x01")
+
+    def set_probe_enabled(self, probe_name: str, enabled: bool) -> bool:
+        """Switches probe `probe_name` on or off in the kernel for every target of this program (its
+        word in llmobs_probe_words, which every program reads first thing): what the governor sheds a
+        tracepoint with. Each change bumps the word (even = on, odd = off), so an interval opened before
+        a shed is dropped at its close, not recorded with the off time in it. Returns whether it changed.
+        Raw bpf(2) calls on map_fd: independent of how the program was loaded."""
+        fd = self.map_fd("llmobs_probe_words")
+        key = ct.c_uint32(PROBE_IDS[probe_name])
+        word = ct.c_uint32(0)
+        syscall.map_lookup(fd, key, word)
+        if bool(word.value & 1) != enabled:  # already in the wanted state
+            return False
+        word.value = (word.value + 1) & 0xFFFFFFFF
+        syscall.map_update(fd, key, word)
+        self._dirty = "full"
+        return True
+
+    def probe_enabled(self, probe_name: str) -> bool:
+        """Whether `probe_name`'s word says on (set_probe_enabled)."""
+        word = ct.c_uint32(0)
+        syscall.map_lookup(self.map_fd("llmobs_probe_words"), ct.c_uint32(PROBE_IDS[probe_name]), word)
+        return not word.value & 1
 
     def counters(self) -> dict[int, int]:
         """LLMOBS_CTR_* index -> value summed over CPUs."""
-        table = self.bpf[b"llmobs_counters"]
-        return {index: int(sum(table[ct.c_int(index)])) for index in range(8)}
+        table = self._map("llmobs_counters")
+        raw = table.read_array()
+        per_cpu = table.value_bytes // 8
+        values = struct.unpack(f"<{len(raw) // 8}Q", raw)
+        return {index: sum(values[index * per_cpu : (index + 1) * per_cpu]) for index in range(8)}
 
     def reset_maps(self) -> None:
-        """Empties every map a previous session filled, so a reused program starts from zero."""
-        for name in ("llmobs_aggs", "llmobs_live_allocs"):
-            self.bpf[name.encode()].clear()
-        if self._has_table("llmobs_ioctl_fds"):  # only in the unit when sys_ioctl.bpf.c is
-            self.bpf[b"llmobs_ioctl_fds"].clear()
-        self._zero_array("llmobs_call_start")
-        self._zero_array("llmobs_targets")
-        self._zero_array("llmobs_counters")
-
-    def _zero_array(self, name: str) -> None:
-        """Zeroes an array (or per-CPU array) map in one BPF_MAP_UPDATE_BATCH."""
-        table = self.bpf[name.encode()]
-        entries = table.max_entries
-        value_size = ct.sizeof(table.sLeaf if hasattr(table, "sLeaf") else table.Leaf)
-        if hasattr(table, "total_cpu"):  # per-CPU: one 8-byte-aligned value per possible CPU
-            value_size = ((value_size + 7) // 8 * 8) * table.total_cpu
-        keys = (ct.c_uint32 * entries)(*range(entries))
-        values = (ct.c_char * (value_size * entries))()
-        count = ct.c_uint32(entries)
-        if self.lib.bpf_update_batch(table.map_fd, keys, values, ct.byref(count)) != 0:
-            raise OSError(ct.get_errno(), f"zeroing {name}")
-
-    def _has_table(self, name: str) -> bool:
-        try:
-            self.bpf[name.encode()]
-        except KeyError:
-            return False
-        return True
+        """Empties every map a previous session filled, so a reused program starts from zero; after only
+        this process's own calibration, just what its handlers can have written (see _dirty)."""
+        if self._dirty is None:
+            return
+        for name in ("llmobs_aggs", "llmobs_live_allocs", "llmobs_ioctl_fds"):
+            if name in self.maps:  # llmobs_ioctl_fds: only in the unit when sys_ioctl.bpf.c is
+                self.maps[name].clear()  # a walk of the buckets: ~1 ms when (nearly) empty
+        if self._dirty == "full":
+            for name in ("llmobs_call_start", "llmobs_targets", "llmobs_counters", "llmobs_probe_words"):
+                self._map(name).zero()
+        else:
+            for name in ("llmobs_targets", "llmobs_counters"):
+                self._map(name).zero()
+            self._map("llmobs_call_start").zero_slots(
+                sorted({start_slot(tid, probe) for tid in self._own_tids for probe in range(MAX_PROBES)})
+            )
+        self._dirty = None
+        self._own_tids.clear()
 
     # ---- attach / detach --------------------------------------------------------------------------------
+    def _hold(self, link: PerfLink, into: list[PerfLink]) -> None:
+        self._dirty = "full"
+        self._links[link.fd] = link
+        into.append(link)
+
     def attach_uprobe(
         self, resolved: ResolvedProbe, pid: int, attached: Attached, durations: bool = False
     ) -> None:
         """Entry probe (and return probe for timed probes) at the chosen placement, for this pid only.
         `durations` turns a probe whose duration is optional into its timed variant."""
-        before = set(self.bpf.uprobe_fds)
         name = resolved.probe.name
-        path = resolved.path.encode()
         optional = durations and resolved.probe.optional_duration
         entry = f"uprobe__{name}_timed" if optional else f"uprobe__{name}"
-        try:
-            self.bpf.attach_uprobe(name=path, addr=resolved.address, fn_name=entry.encode(), pid=pid)
-            if resolved.probe.timed or optional:
-                self.bpf.attach_uretprobe(
-                    name=path, addr=resolved.address, fn_name=f"uretprobe__{name}".encode(), pid=pid
-                )
-        finally:
-            attached.uprobe_events.extend(set(self.bpf.uprobe_fds) - before)
+        offset = resolved.symbol.file_offset + resolved.placement.offset
+        self._hold(
+            perf.attach_uprobe(self.prog_fd(entry), resolved.path, offset, pid), attached.uprobe_events
+        )
+        if resolved.probe.timed or optional:
+            link = perf.attach_uprobe(
+                self.prog_fd(f"uretprobe__{name}"), resolved.path, offset, pid, retprobe=True
+            )
+            self._hold(link, attached.uprobe_events)
 
     def attach_tracepoints(self, probe: Probe, attached: Attached) -> None:
         for tracepoint, fn_name in probe.tracepoints:
-            self.bpf.attach_tracepoint(tp=tracepoint.encode(), fn_name=fn_name.encode())
-            attached.tracepoints.append(tracepoint.encode())
+            self._hold(perf.attach_tracepoint(self.prog_fd(fn_name), tracepoint), attached.tracepoints)
 
     def detach(self, attached: Attached) -> list[str]:
         """Removes everything `attached` holds; returns what could not be removed (should be empty)."""
         problems = []
-        for ev_name in attached.uprobe_events:
+        for link in attached.uprobe_events + attached.tracepoints:
+            self._links.pop(link.fd, None)
             try:
-                self.bpf.detach_uprobe_event(ev_name)
-            except Exception as exc:  # keep going: one failure must not leak the rest
-                problems.append(f"{ev_name.decode()}: {exc}")
-        for tracepoint in attached.tracepoints:
-            try:
-                self.bpf.detach_tracepoint(tracepoint)
-            except Exception as exc:
-                problems.append(f"{tracepoint.decode()}: {exc}")
+                perf.detach(link)
+            except OSError as exc:  # keep going: one failure must not leak the rest
+                problems.append(f"{link.what}: {exc}")
         attached.uprobe_events.clear()
         attached.tracepoints.clear()
         return problems
 
     def close(self) -> None:
-        self.bpf.cleanup()
+        """Detaches whatever is still attached, then releases the programs and maps."""
+        for link in list(self._links.values()):
+            with contextlib.suppress(OSError):
+                perf.detach(link)
+        self._links.clear()
+        self._loaded.close()
+
+
+_U32 = struct.Struct("<I")
+_CONFIG = struct.Struct("<QQ")  # struct llmobs_config
+_TARGET = struct.Struct("<IIQ")  # struct llmobs_target
+_FD_KEY = struct.Struct("<II")  # struct llmobs_fd_key
+
+
+def start_slot(tid: int, probe: int) -> int:
+    """The llmobs_call_start slot of (thread, probe id): llmobs_slot() of bpf/c/llmobs_events.h."""
+    return ((tid << 6) ^ probe) & (START_SLOTS - 1)
 
 
 def probe_id(name: str) -> int:

@@ -68,16 +68,14 @@ class StatusLine:
         if now < self._next:
             return
         self._next = now + self.interval
-        totals = self.session.live_totals()
-        total = sum(value[0] for value in totals.values())
+        total, steps, last = self.session.totals_overview()  # not every step's totals merged each time
         rate = (total - self._last_total) / max(now - self._last_time, 1e-9)
         self._last_total, self._last_time = total, now
-        steps = {key[2] for key in totals if key[2]}
         counters = self.session.counters()
         line = (
             f"pid {self.session.pid} | {rate:,.0f} events/s | sampled {int(self.sampled_by_probe.sum()):,} | "
             f"drops kernel {counters['ring_drops']:,} user {counters['user_drops']:,} | "
-            f"steps {len(steps):,}" + (f" (last {max(steps)})" if steps else "")
+            f"steps {steps:,}" + (f" (last {last})" if steps else "")
         )
         if self.tty:
             self.stream.write("\r\x1b[2K" + line)

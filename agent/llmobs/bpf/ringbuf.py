@@ -1,8 +1,8 @@
 """A batch consumer of a BPF ring buffer, reading the kernel's mmap'ed pages directly.
 
 bcc's ring_buffer_poll calls a Python callback per event (~1 us each before any decoding). Here the
-agent maps the ring itself (the consumer page read-write, the producer page and the twice-mapped
-data pages read-only), and every drain turns all committed records into one numpy array with a
+agent maps the ring itself (the consumer page read-write, the producer page and the
+data pages read-only, once), and every drain turns all committed records into one numpy array with a
 single frombuffer + copy: no Python call per event. The programs only ever submit one record size,
 so the records between the consumer and producer positions form a strided array; the first record
 still BUSY (reserved, not yet committed) ends the batch.
@@ -29,9 +29,10 @@ class RingConsumer:
         self.data_bytes = data_bytes
         self._mask = data_bytes - 1
         self._consumer = mmap.mmap(map_fd, _PAGE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=0)
-        self._producer = mmap.mmap(
-            map_fd, _PAGE + 2 * data_bytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=_PAGE
-        )
+        # the producer page and the data pages once, not the kernel's second copy of them: the
+        # mapping is resident from the start (16 MiB more RSS for the default ring); the one drain
+        # in a lap whose records wrap past the end copies its two pieces together instead
+        self._producer = mmap.mmap(map_fd, _PAGE + data_bytes, mmap.MAP_SHARED, mmap.PROT_READ, offset=_PAGE)
         self._record = RING_RECORD_DTYPE.itemsize
         self.records = 0
         self.discarded = 0
@@ -48,9 +49,15 @@ class RingConsumer:
             count = min(count, max_records)
         if count <= 0:
             return np.empty(0, dtype=RING_RECORD_DTYPE["event"])
-        view = np.frombuffer(
-            self._producer, dtype=RING_RECORD_DTYPE, count=count, offset=_PAGE + (cons & self._mask)
-        )
+        start = cons & self._mask
+        if start + count * self._record <= self.data_bytes:
+            view = np.frombuffer(self._producer, dtype=RING_RECORD_DTYPE, count=count, offset=_PAGE + start)
+        else:  # wraps: the tail of the data area, then its head
+            head = start + count * self._record - self.data_bytes
+            joined = (
+                self._producer[_PAGE + start : _PAGE + self.data_bytes] + self._producer[_PAGE : _PAGE + head]
+            )
+            view = np.frombuffer(joined, dtype=RING_RECORD_DTYPE, count=count)
         busy = np.flatnonzero(view["len"] & RING_BUSY_BIT)
         if len(busy):
             count = int(busy[0])

@@ -39,6 +39,10 @@ REFRESH_S = 1.0  # how often the watched fds and the aggregate harvest are refre
 # /proc/PID/maps of a torch process is thousands of lines: re-read every second only until the map
 # is found, then every 10 s (to notice a re-created map)
 MAPS_REFRESH_S = (1.0, 10.0)
+# One BPF_MAP_LOOKUP_BATCH of the per-CPU aggregates map walks all its buckets: ~1-2 ms, whatever it
+# holds. The harvest, the governor, the self-telemetry and the status line each want it once a second:
+# they share one reading this fresh (live_totals at close always reads anew).
+AGGREGATES_FRESH_S = 0.5
 
 
 def _own_age_s(procfs: ProcFS) -> float:
@@ -184,11 +188,12 @@ class AttachSession:
         self._next_refresh = 0.0
         self._next_maps = 0.0
         self._ncpus = 1
+        self._live: tuple[float, np.ndarray, np.ndarray] | None = None  # (read at, keys, values)
         self._closed = False
         self._final: dict | None = None
         self.process_age_at_start_s = _own_age_s(self.procfs)
         self.calibration: dict = {}  # probe name -> llmobs.bpf.calibrate.ProbeCost
-        self._uprobe_events: dict[str, list[bytes]] = {}  # probe name -> its uprobe events, for shedding
+        self._uprobe_events: dict[str, list] = {}  # probe name -> its uprobe events, for shedding
         self.shed: dict[str, float] = {}  # probe name -> monotonic time the governor detached it
 
     # ---- start ------------------------------------------------------------------------------------------
@@ -349,15 +354,26 @@ class AttachSession:
         done = aggregates.finished(keys)
         if done.any():
             self.totals.add(keys[done], values[done])
-            aggregates.delete_keys(self.program.lib, self.program.map_fd("llmobs_aggs"), keys[done])
+            aggregates.delete_keys(None, self.program.map_fd("llmobs_aggs"), keys[done])
+            if self._live is not None:  # the shared reading less what moved into the totals
+                self._live = (self._live[0], keys[~done], values[~done])
+
+    def _recent_aggregates(self) -> tuple[np.ndarray, np.ndarray]:
+        """The live aggregates, read at most every AGGREGATES_FRESH_S (the once-a-second readers)."""
+        now = time.monotonic()
+        if self._live is None or now - self._live[0] >= AGGREGATES_FRESH_S:
+            keys, values = self._read_aggregates()
+            self._live = (now, keys, values)
+        return self._live[1], self._live[2]
 
     def _read_aggregates(self) -> tuple[np.ndarray, np.ndarray]:
         keys, values = aggregates.read_percpu_hash(
-            self.program.lib, self.program.map_fd("llmobs_aggs"), self.program.agg_entries, self._ncpus
+            None, self.program.map_fd("llmobs_aggs"), self.program.agg_entries, self._ncpus
         )
         if self.options.shared:  # the map holds every target's totals: take only this pid's
             mine = keys["pid"] == self.pid
-            return keys[mine], values[mine]
+            keys, values = keys[mine], values[mine]
+        self._live = (time.monotonic(), keys, values)
         return keys, values
 
     def counters(self) -> dict[str, int]:
@@ -369,6 +385,18 @@ class AttachSession:
     def live_totals(self) -> dict[tuple[int, int, int], list[int]]:
         keys, values = self._read_aggregates()
         return self.totals.merged(keys, values)
+
+    def probe_counts(self) -> dict[tuple[int, int], int]:
+        """(pid, probe) -> events counted so far (harvested + live): live_totals summed over steps, in
+        O(probes + live keys) (the once-a-second readers: the governor, the self-telemetry), from a
+        reading at most AGGREGATES_FRESH_S old."""
+        keys, values = self._recent_aggregates()
+        return self.totals.counts(keys, values)
+
+    def totals_overview(self) -> tuple[int, int, int]:
+        """(events, distinct steps, newest step) so far, without merging every step (the status line)."""
+        keys, values = self._recent_aggregates()
+        return self.totals.overview(keys, values)
 
     # ---- the overhead governor: one uprobe off and on again ---------------------------------------------
     def shed_probe(self, name: str) -> bool:
@@ -403,7 +431,7 @@ class AttachSession:
         """Deletes this pid's keys from the shared aggregates map and its watched ioctl fds."""
         try:
             keys, _values = self._read_aggregates()
-            aggregates.delete_keys(self.program.lib, self.program.map_fd("llmobs_aggs"), keys)
+            aggregates.delete_keys(None, self.program.map_fd("llmobs_aggs"), keys)
             self.program.set_watched_fds(self.pid, set())
         except Exception as exc:  # best effort: a stale key is bounded and harmless
             self.notes.append(f"could not clear pid {self.pid}'s map entries: {exc}")

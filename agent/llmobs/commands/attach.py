@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import threading
 import time
 
 from llmobs.diagnostics.detectors import add_detector_arguments, detector_config
@@ -167,12 +168,13 @@ def _print_ebpf(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
 
 
 def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
+    import importlib.util
+
     from llmobs.bpf.session import AttachSession, Options
 
-    try:
-        import bcc  # noqa: F401
-    except ImportError as exc:
-        raise MissingLibrary(f"bcc (python3-bpfcc) is not importable: {exc}") from exc
+    # found, not imported: bcc compiles in a child process (llmobs.bpf.compile); libbcc never loads here
+    if importlib.util.find_spec("bcc") is None:
+        raise MissingLibrary("bcc (python3-bpfcc) is not importable: no module named 'bcc'")
     from llmobs.bpf import report
     from llmobs.bpf.output import ParquetEventWriter, aggregates_table, companion_paths, write_summary
     from llmobs.runtime import Agent, Task
@@ -199,10 +201,11 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     otlp = _otlp_config(args)  # validated before attaching: a bad endpoint fails fast, with no probe left
-    agent = store = status = presence = None
+    agent = store = status = presence = opening = None
     try:
         if args.db is not None or otlp is not None:  # before attaching: a target that exits at once
             presence = ReaderPresence.announce()  # leaves its unread steps for us (llmobs.shm.presence)
+            opening = _StoreOpening(args.db)
         session.start()
         refused = _map_refusal(session)
         if refused:  # said once: the map's token steps are refused later with the same reason
@@ -211,8 +214,9 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         if budget > 0:
             _print_calibration(session)
         pipeline = exporter = None
-        if args.db is not None or otlp is not None:
-            store, pipeline = _open_pipeline(args, session)
+        if opening is not None:
+            store, opening = opening.result(), None
+            pipeline = _open_pipeline(args, session, store)
         if otlp is not None:
             from llmobs.otlp import start_exporter
 
@@ -239,6 +243,8 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
             agent.close(stop["reason"] or "stopped")
         else:  # a failure before the runtime took the session: nothing may stay attached or open
             session.close()
+            if opening is not None:
+                opening.discard()
             if store is not None:
                 store.shutdown()
             if presence is not None:
@@ -251,13 +257,22 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
     summary = report.summary(session, final, stop["reason"] or "stopped", status)
     if agent.governor is not None:
         summary["governor"] = agent.governor.snapshot()
-        _print_governor(agent.governor, session, sys.stderr)
+        if gone.governor_state is not None:  # untracked at detach: its state as it was then
+            summary["governor"]["targets"][str(session.pid)] = gone.governor_state
+        _print_governor(agent.governor, session, gone.governor_state, sys.stderr)
     if agent.telemetry is not None:
         summary["agent"] = agent.telemetry.sample()
     report.print_summary(summary, sys.stderr)
     if gone.summary is not None:
         gone.summary.store_error = gone.summary.store_error or agent.store_error
         gone.summary.print(sys.stderr)
+    if agent.stage_cpu is not None:
+        from llmobs.stagecpu import per_step_table
+
+        _print_degrades(agent.stage_cpu["counts"], sys.stderr)
+
+        for line in per_step_table(agent.stage_cpu, agent.stage_cpu["counts"].get("token_steps", 0)):
+            print(line, file=sys.stderr)
     if agent.exporter is not None:
         c = agent.exporter.counters
         print(
@@ -283,9 +298,10 @@ def _print_calibration(session) -> None:
         print(line, file=sys.stderr)
 
 
-def _print_governor(governor, session, stream) -> None:
-    """What the governor did, when (seconds after attach), and its estimate at the end."""
-    state = governor.target_state(session.pid) or {}
+def _print_governor(governor, session, state: dict | None, stream) -> None:
+    """What the governor did, when (seconds after attach), and its estimate at the end (`state`: the
+    target's state as the runtime read it just before the governor forgot the target)."""
+    state = state or governor.target_state(session.pid) or {}
     mean = state.get("mean_estimate")
     decisions = [d for d in governor.decisions if d.pid == session.pid]
     print(
@@ -301,6 +317,21 @@ def _print_governor(governor, session, stream) -> None:
             f"  {d.wall} (+{after:.1f} s) {d.action} {d.probe}: {d.before:.2%} -> {d.after:.2%} ({d.reason})",
             file=stream,
         )
+
+
+def _print_degrades(counts: dict, stream) -> None:
+    """Where the agent did less, visibly, to keep its own cost down (issue 14): one line when any."""
+    parts = []
+    if counts.get("correlate_stretched"):
+        parts.append(
+            f"correlate runs put off {counts['correlate_stretched']:,} time(s) (their CPU above its share)"
+        )
+    if counts.get("map_reads_deferred"):
+        parts.append(
+            f"map reads deferred {counts['map_reads_deferred']:,} time(s) (held to the next map period)"
+        )
+    if parts:
+        print("degraded to save CPU: " + "; ".join(parts), file=stream)
 
 
 def _say_swept(removed: int) -> None:
@@ -323,19 +354,47 @@ def _otlp_config(args: argparse.Namespace):
     return config
 
 
-def _open_pipeline(args: argparse.Namespace, session):
+class _StoreOpening:
     """The store for --db (PATH, or the default store when --db has no value), its DuckDB memory capped,
-    and the target's pipeline into it."""
-    from llmobs.pipeline import Pipeline
-    from llmobs.store import default_db_path
-    from llmobs.store.sink import DuckDBStore, agent_memory_limit
+    opened in a thread while the probes load and attach: importing the pipeline (DuckDB, pyarrow: ~0.25 s
+    of CPU) and opening the file took 0.4-0.6 s on a loaded host, after the probes and before the first
+    drain; the probe load is mostly the kernel's verifier and map allocation (ctypes drops the GIL), so
+    the two overlap. result() re-raises the opening's error in the caller's thread."""
 
-    store = DuckDBStore(args.db or default_db_path(), memory_limit=agent_memory_limit())
-    try:
-        pipeline = Pipeline(
-            store, args.pid, session=session, sample_ratio=args.sample, detector=args.detector_config
-        )
-    except BaseException:
-        store.shutdown()
-        raise
-    return store, pipeline
+    def __init__(self, db: str | None):
+        self._db = db
+        self._store = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._open, name="llmobs-store-open", daemon=True)
+        self._thread.start()
+
+    def _open(self) -> None:
+        try:
+            import llmobs.pipeline  # noqa: F401  (imported here, off the path to the first event)
+            from llmobs.store import default_db_path
+            from llmobs.store.sink import AGENT_THREADS, DuckDBStore, agent_memory_limit
+
+            self._store = DuckDBStore(
+                self._db or default_db_path(), memory_limit=agent_memory_limit(), threads=AGENT_THREADS
+            )
+        except BaseException as exc:  # a StoreError, a bug: raised again by result()
+            self._error = exc
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._store
+
+    def discard(self) -> None:
+        """Waits for the opening and closes what it opened (the attach failed)."""
+        self._thread.join()
+        if self._store is not None:
+            self._store.shutdown()
+
+
+def _open_pipeline(args: argparse.Namespace, session, store):
+    """The target's pipeline into `store` (which the caller closes if this raises)."""
+    from llmobs.pipeline import Pipeline
+
+    return Pipeline(store, args.pid, session=session, sample_ratio=args.sample, detector=args.detector_config)

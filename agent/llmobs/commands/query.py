@@ -8,7 +8,7 @@ import sys
 import duckdb
 
 from llmobs.errors import StoreError
-from llmobs.store import default_db_path, views
+from llmobs.store import default_db_path, schema, views
 from llmobs.store.render import RENDERERS
 from llmobs.store.sink import DuckDBStore
 
@@ -30,7 +30,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     views_group = parser.add_mutually_exclusive_group()
     views_group.add_argument("--slowest-steps", action="store_true", help="token steps by decode latency")
     views_group.add_argument("--top-probes", action="store_true", help="probes by count (exact where kept)")
-    views_group.add_argument("--by-tenant", action="store_true", help="tokens, latency p50/p99, concurrency")
+    views_group.add_argument(
+        "--by-tenant",
+        action="store_true",
+        help="tokens, latency p50/p99, concurrency; compute-, off-CPU, GPU-s, allocations, their shares",
+    )
     views_group.add_argument("--by-session", action="store_true", help="the same per (tenant, session)")
     views_group.add_argument(
         "--anomaly-correlation", action="store_true", help="layer streams vs loss anomalies"
@@ -40,15 +44,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session", help="only this session (canned views)")
 
 
-def _statement(args: argparse.Namespace) -> tuple[str, dict | None]:
+def _statement(args: argparse.Namespace, version: int) -> tuple[str, dict | None]:
+    """The SQL to run; `version`: the store's schema version (a canned view adapts to an older store)."""
     if args.slowest_steps:
         return views.slowest_steps(args.limit, args.tenant, args.session)
     if args.top_probes:
         return views.top_probes(args.limit)
     if args.by_tenant:
-        return views.by_tenant(args.tenant)
+        return views.by_tenant(args.tenant, version=version)
     if args.by_session:
-        return views.by_session(args.tenant, args.session)
+        return views.by_session(args.tenant, args.session, version=version)
     if args.anomaly_correlation:
         from llmobs.diagnostics.correlation import matrix_sql
 
@@ -80,8 +85,10 @@ def run(args: argparse.Namespace) -> int:
     if args.limit <= 0:
         raise StoreError("-n must be at least 1", hint=USAGE_HINT)
     _refuse_unapplied_filters(args)
-    sql, params = _statement(args)
+    if not (args.sql or any(views)):
+        _statement(args, schema.LATEST_VERSION)  # nothing to run: fails before opening a store
     with DuckDBStore(args.db or default_db_path(), read_only=True) as store:
+        sql, params = _statement(args, schema.current_version(store.connection))
         try:
             result = (
                 store.connection.execute(sql, params) if params is not None else store.connection.execute(sql)

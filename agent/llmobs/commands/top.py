@@ -2,8 +2,9 @@
 
 Per process: tokens, tokens/s and per-token latency p50/p99 over the last 10 s, mean loss, the work of
 a token step (allocations, launches, linear/GEMM calls, off-CPU ms), drops, and the process's GPU
-utilisation and device memory (NVML's gpu_samples; "-" for a process without a GPU). Where the
-numbers come from:
+utilisation and device memory (NVML's gpu_samples; "-" for a process without a GPU); under it, per
+tenant of each process: tokens/s, compute-seconds per second (its rows' shares of the forward passes'
+durations, by tokens: the store's pass_shares rule) and its share. Where the numbers come from:
 
 - a process some `attach` is attached to: the snapshot that agent rewrites once a second under
   $LLMOBS_RUN_DIR (default /run/llmobs): exact kernel totals and every drop counter;
@@ -31,11 +32,13 @@ from llmobs.errors import NotTracked, StoreError
 from llmobs.pipeline.live import WINDOW_S, LiveStats, read_snapshots, wall_time
 from llmobs.pipeline.sources import ShmSource
 from llmobs.shm import layout
-from llmobs.store import default_db_path
+from llmobs.store import default_db_path, schema
+from llmobs.store.views import SHARES_VERSION
 
 COLUMNS = ("PID", "MODEL", "TENANTS", "TOKENS", "TOK/S", "P50 ms", "P99 ms", "LOSS", "ALLOC/STEP",
            "LAUNCH/STEP", "COMPUTE/STEP", "OFFCPU ms/STEP", "DROPS", "GPU %", "GPU MiB",
            "SOURCE")  # fmt: skip
+TENANT_COLUMNS = ("PID", "TENANT", "TOK/S", "COMPUTE s/s", "COMPUTE %")
 _CLEAR = "\x1b[H\x1b[2J"
 
 
@@ -58,6 +61,9 @@ class MapWatcher:
     def row(self) -> dict | None:
         while (columns := self.source.poll()) is not None:
             self.live.add_steps(columns)
+            events = self.source.poll_request_events()
+            if events is not None:
+                self.live.add_request_events(events)
         if self.source.reader is None:
             return None
         counters = self.source.stats()
@@ -104,6 +110,26 @@ SELECT s.pid, s.model_id, s.tenants, l.tokens, s.tokens_per_s, s.p50_ms, s.p99_m
     w.alloc, w.launch, w.compute, w.offcpu, g.gpu_util, g.gpu_mem
 FROM steps s JOIN last l USING (pid) LEFT JOIN work w USING (pid) LEFT JOIN gpu g USING (pid) ORDER BY s.pid
 """
+# Per tenant over the same 10 s: token steps per second, and the compute-seconds (pass_shares: each
+# pass's duration shared by its rows' tokens) per second, and the tenant's share of the process's
+# compute-seconds in the window
+_STORE_TENANTS_SQL = """
+WITH last AS (SELECT pid, max(t_end_ns) AS t FROM token_steps GROUP BY pid),
+steps AS (
+    SELECT s.pid, coalesce(s.tenant, '') AS tenant, count(*) AS tokens, min(s.t_start_ns) AS since,
+        max(s.t_end_ns) AS until
+    FROM token_steps s JOIN last USING (pid) WHERE s.t_end_ns >= last.t - $window GROUP BY ALL
+),
+span AS (SELECT pid, greatest((max(until) - min(since)) / 1e9, 1e-3) AS s FROM steps GROUP BY pid),
+work AS (
+    SELECT w.pid, coalesce(w.tenant, '') AS tenant, sum(w.compute_ns) AS compute_ns
+    FROM pass_shares w JOIN last USING (pid) WHERE w.t_start_ns >= last.t - $window GROUP BY ALL
+)
+SELECT pid, tenant, coalesce(s.tokens, 0) / p.s, coalesce(w.compute_ns, 0) / 1e9 / p.s,
+    w.compute_ns / nullif(sum(w.compute_ns) OVER (PARTITION BY pid), 0)
+FROM steps s FULL JOIN work w USING (pid, tenant) JOIN span p USING (pid)
+ORDER BY pid, 4 DESC, 3 DESC, tenant
+"""
 # NVML samples of the same 10 s: SM utilisation averaged, each GPU's newest process memory summed
 _STORE_GPU = """
 gpu_each AS (
@@ -127,6 +153,19 @@ def store_rows(path: Path) -> list[dict]:
         ).fetchall()[0][0]
         sql = _STORE_SQL.format(gpu=_STORE_GPU if has_gpu else _STORE_NO_GPU)
         result = conn.execute(sql, {"window": int(WINDOW_S * 1e9)}).fetchall()
+        rates: dict[int, list[dict]] = {}
+        if schema.current_version(conn) >= SHARES_VERSION:  # an older store has no pass_shares
+            for pid, tenant, rate, compute, share in conn.execute(
+                _STORE_TENANTS_SQL, {"window": int(WINDOW_S * 1e9)}
+            ).fetchall():
+                rates.setdefault(pid, []).append(
+                    {
+                        "tenant": tenant,
+                        "tokens_per_s": rate,
+                        "compute_s_per_s": compute,
+                        "compute_share": share,
+                    }
+                )
     rows = []
     for pid, model, tenants, tokens, rate, p50, p99, loss, alloc, launch, compute, offcpu, gpu, mem in result:
         per_step = (
@@ -136,6 +175,7 @@ def store_rows(path: Path) -> list[dict]:
             "pid": pid, "model_id": model, "tenants": (tenants or "").split(","), "tokens": tokens,
             "tokens_per_s": rate, "p50_ms": p50, "p99_ms": p99, "mean_loss": loss, "per_step": per_step,
             "drops": None, "gpu_util_pct": gpu, "gpu_mem_bytes": mem, "source": "store (newest 10 s)",
+            "by_tenant": rates.get(pid, []),
         })  # fmt: skip
     return rows
 
@@ -167,6 +207,25 @@ def render(rows: list[dict]) -> str:
     for line in cells:
         padded = (c.ljust(widths[i]) if i in left else c.rjust(widths[i]) for i, c in enumerate(line))
         lines.append("  ".join(padded))
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def render_tenants(rows: list[dict]) -> str:
+    """Per-tenant rates of each process (a server's tenants): tokens/s, compute-seconds per second
+    (its rows' shares of the forward passes' durations) and the tenant's share of that; '' = no tenant."""
+    cells = [TENANT_COLUMNS]
+    for row in rows:
+        for t in row.get("by_tenant") or []:
+            share = t.get("compute_share")
+            cells.append((
+                str(row["pid"]), t["tenant"] or "-", _fmt(t.get("tokens_per_s"), ".1f"),
+                _fmt(t.get("compute_s_per_s"), ".3f"), _fmt(None if share is None else 100 * share, ".1f"),
+            ))  # fmt: skip
+    if len(cells) == 1:
+        return ""
+    widths = [max(len(line[i]) for line in cells) for i in range(len(TENANT_COLUMNS))]
+    lines = ["  ".join(c.ljust(widths[i]) if i == 1 else c.rjust(widths[i]) for i, c in enumerate(line))
+             for line in cells]  # fmt: skip
     return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
@@ -265,7 +324,10 @@ def run(args: argparse.Namespace) -> int:
                 )
             header = f"llmobs top  {wall_time()}  {len(rows)} process(es); window {WINDOW_S:.0f} s"
             header = "\n".join([header, *agent_lines(rows)])
+            tenants = render_tenants(rows)
             text = f"{header}\n{render(rows)}" if rows else f"{header}\n(no process)\n"
+            if tenants:
+                text += f"\nper tenant (window {WINDOW_S:.0f} s)\n{tenants}"
             sys.stdout.write((_CLEAR + text) if tty else text + ("" if args.once else "\n"))
             sys.stdout.flush()
             shown += 1

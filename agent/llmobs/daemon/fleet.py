@@ -1,6 +1,6 @@
 """Fleet: the daemon's targets sharing ONE loaded BPF program, one ring and one DuckDB store.
 
-Why one program: bcc compiles a program in ~1 s of a core that the workloads need, and every loaded
+Why one program: an uncached program takes ~1 s of a core to compile (bpf/loader.py), and every loaded
 program holds its own maps (a 16 MiB ring, a 64 k-entry aggregates hash). The program keys its targets
 by pid slot, its aggregates by (pid, probe, step), and every event carries its pid, so one program can
 serve many processes: uprobes are attached per pid (a uprobe is per file offset and process), the
@@ -25,7 +25,7 @@ from llmobs.bpf.records import RING_RECORD_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
 from llmobs.bpf.session import AttachSession, Options, tracepoint_available
 from llmobs.daemon.discovery import Proc
-from llmobs.errors import MissingLibrary, NoSuchProcess
+from llmobs.errors import LlmobsError, MissingLibrary, NoSuchProcess
 from llmobs.pipeline import Pipeline
 from llmobs.pipeline.live import snapshot_path
 
@@ -55,7 +55,9 @@ class Fleet:
                 probes.append(probe)
         try:
             self.program = ProbeProgram(probes)
-        except Exception as exc:  # bcc raises plain Exceptions (no kernel headers, a verifier refusal)
+        except LlmobsError:
+            raise  # the loader's own one-line errors (a compile or verifier refusal), said as they are
+        except Exception as exc:  # anything else the kernel or the cache threw
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise MissingLibrary(f"cannot compile or load the BPF program: {first}") from exc
         self.program.reset_maps()
@@ -71,14 +73,12 @@ class Fleet:
                 self.skipped[probe.name] = f"attach failed: {exc}"
 
     def program_ids(self) -> dict[str, int]:
-        """BPF program name -> kernel program id, of the functions loaded so far (bpftool shows them)."""
-        ids = {}
-        for name, function in self.program.bpf.funcs.items() if self.program else ():
-            with contextlib.suppress(OSError, ValueError):
-                for line in Path(f"/proc/self/fdinfo/{function.fd}").read_text().splitlines():
-                    if line.startswith("prog_id:"):
-                        ids[name.decode() if isinstance(name, bytes) else name] = int(line.split()[1])
-        return ids
+        """BPF program name -> kernel program id of every loaded function (bpftool shows them)."""
+        if self.program is None:
+            return {}
+        with contextlib.suppress(OSError):
+            return self.program.prog_ids()
+        return {}
 
     @property
     def ring_records(self) -> int:

@@ -84,12 +84,13 @@ class Service:
     # ---- start ------------------------------------------------------------------------------------
     def _open(self) -> None:
         require_privileges(self.procfs)
-        try:
-            import bcc  # noqa: F401
-        except ImportError as exc:
-            raise MissingLibrary(f"bcc (python3-bpfcc) is not importable: {exc}") from exc
+        import importlib.util
+
+        # found, not imported: bcc compiles in a child process (llmobs.bpf.compile); libbcc never loads here
+        if importlib.util.find_spec("bcc") is None:
+            raise MissingLibrary("bcc (python3-bpfcc) is not importable: no module named 'bcc'")
         from llmobs.store import DuckDBStore
-        from llmobs.store.sink import agent_memory_limit
+        from llmobs.store.sink import AGENT_THREADS, agent_memory_limit
 
         config = self.config
         try:
@@ -99,8 +100,8 @@ class Service:
         except OSError as exc:
             raise LlmobsError(f"cannot create the run dir {config.run_dir}: {exc.strerror}") from None
         # DuckDB's default is 80% of the host's RAM, far above the unit's MemoryMax: the store's working
-        # memory is capped as for attach (256MB or $LLMOBS_DUCKDB_MEMORY_LIMIT); it spills beyond.
-        self.store = DuckDBStore(config.store_path, memory_limit=agent_memory_limit())
+        # memory is capped as for attach (32MB or $LLMOBS_DUCKDB_MEMORY_LIMIT); it spills beyond.
+        self.store = DuckDBStore(config.store_path, memory_limit=agent_memory_limit(), threads=AGENT_THREADS)
         if config.retention_bytes:  # before any cursor exists: compaction swaps the file
             self._retention(by_size=True)
         self.fleet = self._new_fleet(config)

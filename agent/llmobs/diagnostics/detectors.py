@@ -21,11 +21,18 @@ is vectorised over the tokens of a batch: one numpy pass per request per batch, 
 from __future__ import annotations
 
 import json
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from llmobs.diagnostics.student_t import (  # not scipy: ~67 MB resident
+    _tail_below_scalar,
+    t_cdf,
+    upper_tail_below,
+)
 
 DETECTORS = ("ttest", "mad")
 MAD_TO_Z = 0.6745  # the modified z-score's constant: MAD of a standard normal is 0.6745
@@ -86,14 +93,22 @@ class Scores:
 def _score(history: np.ndarray, values: np.ndarray, seen: int, config: DetectorConfig) -> Scores:
     """Score `values` (finite losses, in order) given up to `window` finite losses before them and the
     count of finite losses the request had before them (`seen`, which may exceed the history kept)."""
-    from scipy import special  # here, not at import: the CLI's parsers import this module for its flags
-
     w = config.window
     seq = np.concatenate([np.full(w, np.nan), history[-w:], values]).astype(np.float64)
     start = w + min(len(history), w)
     windows = sliding_window_view(seq, w)[start - w : start - w + len(values)]  # row i: the w before i
+    return _score_windows(windows, values, seen + np.arange(len(values)), config)
+
+
+def _score_windows(
+    windows: np.ndarray, values: np.ndarray, seen: np.ndarray, config: DetectorConfig, every_p: bool = True
+) -> Scores:
+    """Score each value against its row of `windows` (the up to `window` finite losses before it, NaN
+    where there are fewer), `seen[i]` being the finite losses its request had before it. Rows may
+    belong to different requests: one numpy pass for a whole batch. every_p False (the streaming path,
+    which reads p only for flagged rows): p is exact where p < alpha and NaN elsewhere, same verdicts."""
     n = np.count_nonzero(~np.isnan(windows), axis=1)
-    tested = (seen + np.arange(len(values))) >= config.min_history
+    tested = seen >= config.min_history
     tested &= n >= 2
     valid = ~np.isnan(windows)
     count = np.maximum(n, 1)
@@ -102,7 +117,8 @@ def _score(history: np.ndarray, values: np.ndarray, seen: int, config: DetectorC
         deviation = np.where(valid, windows - mean[:, None], 0.0)
         sd = np.maximum(np.sqrt((deviation**2).sum(axis=1) / np.maximum(n - 1, 1)), config.min_sd)
         t = (values - mean) / (sd * np.sqrt(1.0 + 1.0 / count))
-        p = special.stdtr(np.maximum(n - 1, 1), -t)  # P(T >= t): Student's t CDF at -t (scipy's)
+        df = np.maximum(n - 1, 1)
+        p = t_cdf(df, -t) if every_p else upper_tail_below(df, t, config.alpha)  # P(T >= t)
         median = _row_median(windows, n)
         mad = _row_median(np.abs(windows - median[:, None]), n)
         mad_floor = np.maximum(mad, config.min_sd * MAD_TO_Z)  # sd = MAD / 0.6745 for a normal
@@ -129,6 +145,78 @@ def _row_median(rows: np.ndarray, n: np.ndarray) -> np.ndarray:
     low = np.take_along_axis(ordered, np.maximum((n - 1) // 2, 0)[:, None], axis=1)[:, 0]
     high = np.take_along_axis(ordered, np.maximum(n // 2, 0)[:, None], axis=1)[:, 0]
     return (low + high) / 2.0
+
+
+def _score_scalar(history: list[float], values: list[float], seen: int, config: DetectorConfig) -> Scores:
+    """`_score` in Python floats with the streaming path's p (`_score_windows(every_p=False)`: exact
+    where p < alpha, else NaN), for the few steps of a tiny batch (the numpy pass costs ~0.9 ms
+    whatever its size). The same operations in the same order, to the bit: each sum is numpy's pairwise
+    sum of the same zero-padded row (`_pairwise_sum`), the medians index the same sorted values, and a
+    division by zero gives numpy's inf / NaN. The fields are lists, indexed as the arrays are."""
+    w = config.window
+    seq = [*history[-w:], *values]
+    offset = len(seq) - len(values)  # where values[0] is in seq
+    out: dict[str, list] = {name: [] for name in Scores.__dataclass_fields__}
+    for i, value in enumerate(values):
+        window = seq[max(0, offset + i - w) : offset + i]
+        n = len(window)
+        if seen + i < config.min_history or n < 2:
+            for name in ("mean", "sd", "t", "p", "median", "mad", "z"):
+                out[name].append(math.nan)
+            out["n"].append(0)
+            out["ttest"].append(False)
+            out["mad_flag"].append(False)
+            continue
+        pad = [0.0] * (w - n)  # numpy sums the window's NaN slots as zeros, on the left
+        mean = _pairwise_sum([*pad, *window]) / n
+        squares = [*pad, *((v - mean) * (v - mean) for v in window)]
+        sd = max(math.sqrt(_pairwise_sum(squares) / (n - 1)), config.min_sd)
+        t = _divide(value - mean, sd * math.sqrt(1.0 + 1.0 / n))
+        p = _tail_below_scalar(float(n - 1), t, config.alpha)
+        ordered = sorted(window)
+        median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2.0
+        spread = sorted(abs(v - median) for v in window)
+        mad = (spread[(n - 1) // 2] + spread[n // 2]) / 2.0
+        z = _divide(MAD_TO_Z * (value - median), max(mad, config.min_sd * MAD_TO_Z))
+        for name, v in (("n", n), ("mean", mean), ("sd", sd), ("t", t), ("p", p), ("median", median),
+                        ("mad", mad), ("z", z), ("ttest", p < config.alpha),
+                        ("mad_flag", z > config.mad_threshold)):  # fmt: skip
+            out[name].append(v)
+    return Scores(**out)
+
+
+def _pairwise_sum(row: list[float]) -> float:
+    """np.add.reduce of a contiguous float64 row, in the same order (numpy's pairwise_sum: below 8
+    elements a plain loop, up to 128 eight interleaved partial sums, beyond that halves)."""
+    n = len(row)
+    if n < 8:
+        total = 0.0
+        for v in row:
+            total += v
+        return total
+    if n <= 128:
+        r = row[:8]
+        end = n - n % 8
+        for i in range(8, end, 8):
+            for j in range(8):
+                r[j] += row[i + j]
+        total = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]))
+        for v in row[end:]:
+            total += v
+        return total
+    half = n // 2
+    half -= half % 8
+    return _pairwise_sum(row[:half]) + _pairwise_sum(row[half:])
+
+
+def _divide(a: float, b: float) -> float:
+    """a / b with numpy's (IEEE) answer for b == 0 (min_sd 0 on a flat window), not ZeroDivisionError."""
+    try:
+        return a / b
+    except ZeroDivisionError:
+        if a == 0 or math.isnan(a):
+            return math.nan
+        return math.copysign(math.inf, a) * math.copysign(1.0, b)
 
 
 def score_sequence(losses, config: DetectorConfig | None = None) -> Scores:
@@ -166,6 +254,10 @@ class _Open:
     seen: int = 0  # finite losses seen so far
 
 
+TINY_BATCH = 4  # up to this many steps a batch is scored in Python floats (`_score_scalar`)
+SMALL_BATCH = 32  # up to this many steps a batch's request keys are made in Python
+FEW_REQUESTS = 2  # up to this many requests in a batch each is scored on its own
+
 ANOMALY_COLUMNS = (
     "ts_ns", "pid", "step_seq", "trace_id", "kind", "score", "detail",
     "first_step_seq", "step", "batch_row", "detector",
@@ -181,9 +273,7 @@ class StreamingDetector:
 
     def __post_init__(self) -> None:
         self._open: OrderedDict[tuple, _Open] = OrderedDict()
-        # scipy now, at attach: imported on the first scored batch it stalled the drain loop for
-        # 0.3-0.7 s on a busy host (the first spikes' rows were that late)
-        import scipy.special  # noqa: F401
+        self._forced_open: set[tuple] = set()  # open requests keyed by their pass (teacher forcing)
 
     def add(self, steps: dict, now_ns: int) -> dict[str, list] | None:
         """Score one batch of token steps; the anomaly rows ({column: list}, ANOMALY_COLUMNS) or None.
@@ -197,37 +287,168 @@ class StreamingDetector:
         self.counters.steps += n
         if n == 0:
             return None
+        if n <= TINY_BATCH:  # a slowly stepping target's poll: no numpy call at all
+            return self._finish(self._add_tiny(steps, now_ns), began)
         step_seq = np.asarray(steps["step_seq"], np.int64)
         step = np.asarray(steps["step"], np.int64)
         batch_row = np.asarray(steps["batch_row"], np.int64)
         pid = np.asarray(steps["pid"], np.int64)
         loss = np.asarray(steps["loss"], np.float64)
-        keys = self._request_keys(pid, steps["trace_id"], step_seq, step, batch_row)
-        groups: dict[tuple, list[int]] = {}
-        for i, key in enumerate(keys):
-            groups.setdefault(key, []).append(i)
+        traces = steps["trace_id"]
         rows: dict[str, list] = {c: [] for c in ANOMALY_COLUMNS}
-        for key, index in groups.items():
-            idx = np.asarray(index)
-            idx = idx[np.argsort(step[idx], kind="stable")]
-            finite = idx[np.isfinite(loss[idx])]
-            if not len(finite):
-                continue
-            state = self._state(key)
-            values = loss[finite]
-            scores = _score(state.history, values, state.seen, self.config)
-            state.history = np.concatenate([state.history, values])[-self.config.window :]
-            state.seen += len(values)
+        # Every request of the batch scored in one numpy pass (not one per request): the requests'
+        # keys, their token steps in step order, each step's window from its request's history and the
+        # steps before it in this batch.
+        if n <= SMALL_BATCH:  # a few steps: keys in Python cost less than the numpy calls
+            group, first, keys = self._small_groups(pid, traces, step_seq, step, batch_row)
+        else:
+            group, first, keys = self._request_groups(pid, traces, step_seq, step, batch_row)
+        if len(keys) <= FEW_REQUESTS:  # one numpy pass per request is cheaper than the batch's setup
+            for g in sorted(range(len(keys)), key=lambda g: first[g]):
+                idx = np.flatnonzero(group == g)
+                idx = idx[np.argsort(step[idx], kind="stable")]
+                finite = idx[np.isfinite(loss[idx])]
+                if not len(finite):
+                    continue
+                state = self._state(keys[g])
+                values = loss[finite]
+                scores = _score(state.history, values, state.seen, self.config)
+                state.history = np.concatenate([state.history, values])[-self.config.window :]
+                state.seen += len(values)
+                self.counters.tested += int(np.count_nonzero(scores.n))
+                for detector in self.config.enabled:
+                    for j in np.flatnonzero(scores.flagged(detector)):
+                        self._row(rows, steps, int(finite[j]), detector, scores, j, now_ns, keys[g])
+            order = ()
+        else:
+            order = np.lexsort(
+                (step, group)
+            )  # by request, then step (stable: a pass's rows keep their order)
+            order = order[np.isfinite(loss[order])]
+        if len(order):
+            scores, finite, by_group = self._score_batch(order, group[order], loss, first, keys)
             self.counters.tested += int(np.count_nonzero(scores.n))
-            for detector in self.config.enabled:
-                for j in np.flatnonzero(scores.flagged(detector)):
-                    self._row(rows, steps, int(finite[j]), detector, scores, j, now_ns, key)
+            flagged = [(d, np.flatnonzero(scores.flagged(d))) for d in self.config.enabled]
+            if any(len(f) for _d, f in flagged):
+                for g in by_group:  # rows in the order the requests first appear, detector by detector
+                    for detector, hits in flagged:
+                        for j in hits[group[finite[hits]] == g]:
+                            self._row(rows, steps, int(finite[j]), detector, scores, int(j), now_ns, keys[g])
+        return self._finish(rows, began)
+
+    def _finish(self, rows: dict[str, list], began: float) -> dict[str, list] | None:
+        import time
+
         self.counters.open = len(self._open)
         self.counters.seconds += time.process_time() - began
         if not rows["ts_ns"]:
             return None
         self.counters.anomalies += len(rows["ts_ns"])
         return rows
+
+    def _add_tiny(self, steps: dict, now_ns: int) -> dict[str, list]:
+        """`add`'s one-request-at-a-time path for a few steps, in Python lists and floats: the same
+        request keys, order, open state and rows (test_diag_detect checks it against the numpy path)."""
+        step_seq, step, batch_row, pid = (
+            _as_list(steps[c]) for c in ("step_seq", "step", "batch_row", "pid")
+        )
+        loss = [float(v) for v in _as_list(steps["loss"])]
+        rows: dict[str, list] = {c: [] for c in ANOMALY_COLUMNS}
+        groups: dict[tuple, list[int]] = {}  # in order of first appearance, as the numpy path
+        for i, key in enumerate(self._request_keys(pid, steps["trace_id"], step_seq, step, batch_row)):
+            groups.setdefault(key, []).append(i)
+        w = self.config.window
+        for key, members in groups.items():
+            members.sort(key=step.__getitem__)  # stable, as argsort(kind="stable")
+            finite = [i for i in members if math.isfinite(loss[i])]
+            if not finite:
+                continue
+            state = self._state(key)
+            history = state.history.tolist()
+            values = [loss[i] for i in finite]
+            scores = _score_scalar(history, values, state.seen, self.config)
+            state.history = np.array([*history, *values][-w:], dtype=np.float64)
+            state.seen += len(values)
+            self.counters.tested += sum(1 for count in scores.n if count)
+            for detector in self.config.enabled:
+                for j, hit in enumerate(scores.flagged(detector)):
+                    if hit:
+                        self._row(rows, steps, finite[j], detector, scores, j, now_ns, key)
+        return rows
+
+    def _small_groups(self, pid, traces, step_seq, step, batch_row):
+        """`_request_groups` for a few steps, from `_request_keys`."""
+        index: dict[tuple, int] = {}
+        first: list[int] = []
+        group = np.empty(len(step_seq), np.int64)
+        for i, key in enumerate(self._request_keys(pid, traces, step_seq, step, batch_row)):
+            g = index.get(key)
+            if g is None:
+                g = index[key] = len(first)
+                first.append(i)
+            group[i] = g
+        return group, np.asarray(first, np.int64), list(index)
+
+    def _request_groups(self, pid, traces, step_seq, step, batch_row):
+        """(group of each step, each group's first index, each group's request key): `_request_keys`'s
+        keys, computed over arrays. A per-step look into the open requests is needed only for a
+        teacher-forced pass split by a poll, so it runs only while such a request is open."""
+        n = len(step_seq)
+        codes: dict = {}  # trace id -> a small int (any hashable id, kept as given for the rows)
+        trace_code = np.fromiter((codes.setdefault(t, len(codes)) for t in traces), np.int64, n)
+        named = list(codes)
+        _u, inverse, counts = np.unique(_packed(pid, trace_code, step_seq, batch_row), return_inverse=True,
+                                        return_counts=True)  # fmt: skip
+        use_forced = counts[inverse.reshape(-1)] > 1
+        if self._forced_open:
+            for i in np.flatnonzero(~use_forced & (step > 0)).tolist():
+                key = (int(pid[i]), traces[i], int(step_seq[i]), int(batch_row[i]))
+                use_forced[i] = key in self._forced_open and key in self._open
+        origin = np.where(use_forced, step_seq, step_seq - step)
+        _u, first, group = np.unique(_packed(pid, trace_code, origin, batch_row), return_index=True,
+                                     return_inverse=True)  # fmt: skip
+        keys = [
+            (int(pid[i]), named[trace_code[i]], int(origin[i]), int(batch_row[i])) for i in first.tolist()
+        ]
+        forced_groups = set(group.reshape(-1)[use_forced].tolist())
+        for g in forced_groups:
+            self._forced_open.add(keys[g])
+        return group.reshape(-1), first, keys
+
+    def _score_batch(self, order, group_of, loss, first, keys):
+        """Scores of the finite steps `order` (sorted by group, then step) against their requests' windows;
+        the open state updated. Returns (scores, the steps scored in `order`'s order, the groups in order
+        of first appearance)."""
+        w = self.config.window
+        groups, starts, sizes = np.unique(group_of, return_index=True, return_counts=True)
+        by_group = sorted(groups.tolist(), key=lambda g: first[g])
+        histories = np.full((len(groups), w), np.nan)
+        seen = np.zeros(len(groups), np.int64)
+        slot = {g: i for i, g in enumerate(groups.tolist())}
+        states = {}
+        for g in by_group:  # the open-request order (and eviction) as requests first appear
+            state = states[g] = self._state(keys[g])
+            if len(state.history):
+                histories[slot[g], w - len(state.history[-w:]) :] = state.history[-w:]
+            seen[slot[g]] = state.seen
+        values = loss[order]
+        # each group's history (w, NaN-padded on the left) then its values, groups one after another
+        lengths = w + sizes
+        base = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        flat = np.empty(int(lengths.sum()))
+        offsets = np.arange(len(groups)).repeat(sizes)
+        within = np.arange(len(order)) - starts.repeat(sizes)  # a step's rank within its group
+        flat[(base[:, None] + np.arange(w)).reshape(-1)] = histories.reshape(-1)
+        flat[base.repeat(sizes) + w + within] = values
+        windows = flat[(base[offsets] + within)[:, None] + np.arange(w)]
+        scores = _score_windows(windows, values, seen[offsets] + within, self.config, every_p=False)
+        tails = flat[(base + lengths - w)[:, None] + np.arange(w)]
+        for g in by_group:
+            i = slot[g]
+            tail = tails[i]
+            states[g].history = tail[~np.isnan(tail)]
+            states[g].seen += int(sizes[i])
+        return scores, order, by_group
 
     def _request_keys(self, pid, traces, step_seq, step, batch_row) -> list[tuple]:
         """(pid, trace, origin, batch_row) per token step: the request it belongs to. Generated tokens
@@ -245,6 +466,7 @@ class StreamingDetector:
             forced = (int(pid[i]), traces[i], int(step_seq[i]), int(batch_row[i]))
             if passes[forced] > 1 or (step[i] > 0 and forced in self._open):
                 keys.append(forced)
+                self._forced_open.add(forced)
             else:
                 keys.append((forced[0], forced[1], int(step_seq[i] - step[i]), forced[3]))
         return keys
@@ -254,7 +476,8 @@ class StreamingDetector:
         if state is None:
             state = self._open[key] = _Open(np.empty(0))
             while len(self._open) > self.config.max_open:
-                self._open.popitem(last=False)
+                evicted, _state = self._open.popitem(last=False)
+                self._forced_open.discard(evicted)
                 self.counters.evicted += 1
         else:
             self._open.move_to_end(key)
@@ -290,6 +513,30 @@ class StreamingDetector:
         rows["step"].append(int(steps["step"][i]))
         rows["batch_row"].append(key[3])
         rows["detector"].append(detector)
+
+
+def _packed(*columns: np.ndarray) -> np.ndarray:
+    """One sortable value per row of integer columns, equal exactly when every column is: an int64
+    mixed radix over the batch's ranges when it fits (np.unique on it is ~5x faster than on records),
+    else a structured array."""
+    lows = [int(c.min()) for c in columns]
+    spans = [int(c.max()) - low + 1 for c, low in zip(columns, lows, strict=True)]
+    total = 1
+    for span in spans:
+        total *= span
+    if total < 2**62:
+        packed = np.zeros(len(columns[0]), np.int64)
+        for c, low, span in zip(columns, lows, spans, strict=True):
+            packed = packed * span + (np.asarray(c, np.int64) - low)
+        return packed
+    records = np.empty(len(columns[0]), [(f"f{i}", "i8") for i in range(len(columns))])
+    for i, c in enumerate(columns):
+        records[f"f{i}"] = c
+    return records
+
+
+def _as_list(column) -> list:
+    return column.tolist() if isinstance(column, np.ndarray) else list(column)
 
 
 def _plain(value):

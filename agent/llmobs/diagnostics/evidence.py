@@ -66,15 +66,65 @@ def gather(
     conn: duckdb.DuckDBPyConnection, pid: int, step_seq: int, baseline: int = BASELINE_STEPS
 ) -> dict | None:
     """The evidence of one forward pass, or None when correlate has not rolled it up yet."""
-    columns = list(MEASURES)
     rows = conn.execute(
-        f"""SELECT step_seq, {", ".join(columns)}, counts_exact FROM step_rollups
+        f"""SELECT step_seq, {", ".join(MEASURES)}, counts_exact FROM step_rollups
             WHERE pid = $pid AND step_seq <= $seq ORDER BY step_seq DESC LIMIT $n""",
         {"pid": pid, "seq": step_seq, "n": baseline + 1},
     ).fetchall()
     if not rows or rows[0][0] != step_seq:
         return None
-    this, previous = rows[0], rows[1:]
+    previous = [r[0] for r in rows[1:]]
+    kernels = _kernel_table(conn, pid, [step_seq, *previous]) if len(previous) >= MIN_BASELINE else {}
+    return _evidence(pid, rows[0], rows[1:], kernels)
+
+
+def gather_many(
+    conn: duckdb.DuckDBPyConnection, pid: int, step_seqs: list[int], baseline: int = BASELINE_STEPS
+) -> dict[int, dict]:
+    """`gather` of many forward passes of one pid, set-based: one range query of step_rollups per
+    cluster of nearby steps and one gpu_ops query for all of them, instead of ~3 queries per step.
+    Steps not rolled up are left out; a step whose range lacks its baseline (a gap in the passes)
+    falls back to `gather`. Same results as `gather` step by step."""
+    out: dict[int, dict] = {}
+    targets = sorted(set(step_seqs))
+    span = 2 * baseline + 16  # passes are numbered consecutively: this reaches back a full baseline
+    clusters: list[list[int]] = []
+    for seq in targets:
+        if clusters and seq - clusters[-1][-1] <= span:
+            clusters[-1].append(seq)
+        else:
+            clusters.append([seq])
+    fetched: dict[int, tuple[list, list]] = {}  # target -> (its row, its previous rows, newest first)
+    for cluster in clusters:
+        rows = conn.execute(
+            f"""SELECT step_seq, {", ".join(MEASURES)}, counts_exact FROM step_rollups
+                WHERE pid = $pid AND step_seq BETWEEN $lo AND $hi ORDER BY step_seq""",
+            {"pid": pid, "lo": cluster[0] - span, "hi": cluster[-1]},
+        ).fetchall()
+        index = {r[0]: i for i, r in enumerate(rows)}
+        for seq in cluster:
+            i = index.get(seq)
+            if i is None:
+                continue  # not rolled up (yet)
+            if i >= baseline:
+                fetched[seq] = (rows[i], rows[i - baseline : i][::-1])
+                continue
+            # the range holds fewer previous passes (a gap, or the session's first passes): the
+            # per-step query looks further back
+            evidence = gather(conn, pid, seq, baseline)
+            if evidence is not None:
+                out[seq] = evidence
+    wanted = {r[0] for this, prev in fetched.values() if len(prev) >= MIN_BASELINE for r in (this, *prev)}
+    kernels = _kernel_table(conn, pid, sorted(wanted)) if wanted else {}
+    for seq, (this, previous) in fetched.items():
+        out[seq] = _evidence(pid, this, previous, kernels)
+    return out
+
+
+def _evidence(pid: int, this: tuple, previous: list, kernels: dict) -> dict:
+    """The evidence of the pass of rollup row `this` against the rows `previous` (newest first)."""
+    columns = list(MEASURES)
+    step_seq = this[0]
     step = {c: this[1 + i] for i, c in enumerate(columns)}
     out: dict = {"pid": pid, "step_seq": step_seq, "baseline_steps": len(previous),
                  "counts_exact": bool(this[-1]), "step": step, "baseline": {}, "unusual": []}  # fmt: skip
@@ -88,7 +138,7 @@ def gather(
         if _unusual(float(value), median, z):
             what, unit = MEASURES[column]
             out["unusual"].append(_item(what, column, unit, value, median, z))
-    out["unusual"].extend(_kernels(conn, pid, step_seq, [r[0] for r in previous]))
+    out["unusual"].extend(_kernels(kernels, step_seq, [r[0] for r in previous]))
     out["unusual"].sort(key=lambda u: -u["z"])
     return out
 
@@ -99,22 +149,25 @@ def _item(what: str, measure: str, unit: str, value, median: float, z: float) ->
             "ratio": ratio, "z": round(z, 2)}  # fmt: skip
 
 
-def _kernels(conn, pid: int, step_seq: int, previous: list[int]) -> list[dict]:
-    """Slow or extra GPU kernels of the step, by name, against the same names in the previous steps."""
-    if len(previous) < MIN_BASELINE:
-        return []
+def _kernel_table(conn, pid: int, steps: list[int]) -> dict[str, dict[int, tuple[int, int]]]:
+    """kernel name -> {step_seq: (calls, ns)} of these forward passes of pid (one gpu_ops query)."""
     per = conn.execute(
         """SELECT coalesce(external_id, step_seq) AS s, coalesce(name, probe) AS kernel, count(*) AS n,
                   sum(coalesce(gpu_end_ns - gpu_start_ns, duration_ns)) AS ns
            FROM gpu_ops WHERE pid = $pid AND coalesce(external_id, step_seq) IN (SELECT unnest($steps))
            GROUP BY ALL""",
-        {"pid": pid, "steps": [step_seq, *previous]},
+        {"pid": pid, "steps": steps},
     ).fetchall()
-    if not per:
-        return []
     found: dict[str, dict[int, tuple[int, int]]] = {}
     for s, kernel, n, ns in per:
         found.setdefault(kernel, {})[s] = (n, ns or 0)
+    return found
+
+
+def _kernels(found: dict, step_seq: int, previous: list[int]) -> list[dict]:
+    """Slow or extra GPU kernels of the step, by name, against the same names in the previous steps."""
+    if len(previous) < MIN_BASELINE or not found:
+        return []
     items = []
     for kernel, by_step in found.items():
         if step_seq not in by_step:
@@ -165,25 +218,36 @@ def summary(evidence: dict | None) -> str:
 def refresh_evidence(conn: duckdb.DuckDBPyConnection, pid: int | None, since_ns: int) -> int:
     """Fill (or refresh) the evidence of anomaly rows whose step is rolled up: those without evidence,
     and those detected since `since_ns` (their rollup may still change as late events arrive).
-    Returns the anomaly rows updated."""
+    Set-based: one query finds the steps, `gather_many` computes their evidence, one UPDATE per pid
+    writes only what changed (a recent anomaly's evidence is recomputed on every correlate run for a
+    few seconds, and mostly comes out the same). Returns the anomaly rows updated."""
     steps = conn.execute(
-        """SELECT DISTINCT a.pid, a.step_seq FROM anomalies a
-           JOIN step_rollups r ON r.pid = a.pid AND r.step_seq = a.step_seq
+        """SELECT a.pid, a.step_seq, any_value(a.evidence) FROM anomalies a
+           SEMI JOIN step_rollups r ON r.pid = a.pid AND r.step_seq = a.step_seq
            WHERE a.step_seq IS NOT NULL AND ($pid IS NULL OR a.pid = $pid)
              AND (a.evidence IS NULL OR a.ts_ns >= $since)
-           ORDER BY a.step_seq LIMIT $limit""",
+           GROUP BY a.pid, a.step_seq ORDER BY a.step_seq LIMIT $limit""",
         {"pid": pid, "since": since_ns, "limit": MAX_STEPS_PER_REFRESH},
     ).fetchall()
+    by_pid: dict[int, dict[int, str | None]] = {}
+    for step_pid, step_seq, stored in steps:
+        by_pid.setdefault(step_pid, {})[step_seq] = stored
     updated = 0
-    for step_pid, step_seq in steps:
-        evidence = gather(conn, step_pid, step_seq)
-        if evidence is None:
-            continue
-        evidence["summary"] = summary(evidence)
-        updated += conn.execute(
-            "UPDATE anomalies SET evidence = ?, evidence_ns = ? WHERE pid = ? AND step_seq = ?",
-            [json.dumps(evidence, default=_json_number), clock.monotonic_ns(), step_pid, step_seq],
-        ).fetchall()[0][0]
+    for step_pid, stored in by_pid.items():
+        changed_steps, changed = [], []
+        for step_seq, evidence in gather_many(conn, step_pid, list(stored)).items():
+            evidence["summary"] = summary(evidence)
+            text = json.dumps(evidence, default=_json_number)
+            if text != stored[step_seq]:
+                changed_steps.append(step_seq)
+                changed.append(text)
+        if changed:
+            updated += conn.execute(
+                """UPDATE anomalies SET evidence = u.evidence, evidence_ns = $ns
+                   FROM (SELECT unnest($steps) AS step_seq, unnest($evidence) AS evidence) u
+                   WHERE anomalies.pid = $pid AND anomalies.step_seq = u.step_seq""",
+                {"steps": changed_steps, "evidence": changed, "ns": clock.monotonic_ns(), "pid": step_pid},
+            ).fetchall()[0][0]
     return updated
 
 

@@ -90,8 +90,14 @@ def step_means(steps: dict) -> list[tuple[int, float, int, str, int]]:
     workload's batches cost the monitor no per-step Python loop."""
     seqs = np.asarray(steps["step_seq"], np.int64)
     rows = np.asarray(steps["batch_row"], np.int64)
+    packed = (seqs << 24) | (rows & 0xFFFFFF)  # one value per (step_seq, row); rows < 2^24
+    # A training step has some (step_seq, row) more than once; none has: decode steps only, the
+    # common case, told in one pass (a set for the few steps of a live poll, else one np.unique).
+    distinct = len(set(packed.tolist())) if len(packed) <= 64 else len(np.unique(packed))
+    if distinct == len(packed):
+        return []
     uniq, counts = np.unique(seqs, return_counts=True)
-    pairs = np.unique((seqs << 24) | (rows & 0xFFFFFF))  # one entry per (step_seq, row); rows < 2^24
+    pairs = np.unique(packed)
     rows_per_step = np.unique(pairs >> 24, return_counts=True)[1]
     training = uniq[counts > rows_per_step]
     if not len(training):

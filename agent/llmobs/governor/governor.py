@@ -27,8 +27,18 @@ doubles its hold (up to 8x): a workload at the edge of the budget does not make 
 Shedding the last probe is allowed (the budget is a promise) but never silent: it is its own action,
 "shed-last".
 
-Only uprobes are governed: the tracepoints (host profile) are attached once per program and cost
-per event hundreds of ns, not the microseconds of a uprobe trap.
+Everything the agent costs the workload is counted: the uprobes' traps, the host tracepoints' hits
+(sched_switch, page faults, ioctl: default per-hit costs measured by bench.probes, TRACEPOINT_COST_NS)
+and, when the cores are contended, the agent's own CPU (llmobs.governor.contention: the workload's
+runqueue wait shared out by who held the cores), spread over the probes by hit rate:
+
+    overhead = sum(rate_i * (cost_i * scale + agent_per_hit))
+
+A uprobe is shed by detaching it (AttachSession.shed_probe); a tracepoint, which one program shares
+among all its targets, by its switch word in the kernel (ProbeProgram.set_probe_enabled): off while any
+target of that program has it shed. `scale` (the in-situ factor over the calibrated costs) starts at
+`cost_scale` and is learned per target from what each shed or restore actually changed in the
+workload's CPU per token step (llmobs.governor.learning).
 """
 
 from __future__ import annotations
@@ -42,14 +52,26 @@ from dataclasses import asdict, dataclass, field
 
 from llmobs.bpf import calibrate
 from llmobs.bpf.profiles import PROBES
+from llmobs.governor import contention as contention_mod
+from llmobs.governor import learning
 
 DEFAULT_BUDGET = 0.01
-# Calibrated costs x this: a hit inside a real workload costs more than in the calibration's tight loop
-# (the kernel's trap path with cold caches and TLB, and the workload's own code slower after each trap).
-# Measured here by python -m bench.governor, the workload's CPU per token with every probe against none:
-# 2.7x the calibrated estimate on the tiny model, 1.9x on SmolLM2-135M (docs/governor.md); 2.3 is their
-# geometric mean. A host or workload that differs overrides it: `--cost-scale`, overhead.cost_scale.
+# The prior of the in-situ factor over the calibrated costs: a hit inside a real workload costs more than
+# in the calibration's tight loop (the trap path with cold caches and TLB, the workload's own code slower
+# after each trap). Measured once by python -m bench.governor (2.7x on the tiny model, 1.9x on
+# SmolLM2-135M; 2.3 their geometric mean); from there each target's factor is learned online from its
+# own sheds and restores (llmobs.governor.learning). `--cost-scale`, overhead.cost_scale set the prior.
 DEFAULT_COST_SCALE = 2.3
+# Per-hit costs of the host tracepoints' programs on a target's event (bench.probes cost / the ab runs
+# in docs/probes.md: the program's run time less an empty tracepoint's, this host); `source` "default".
+# sched_switch: the switch-out (tag read, open) plus the switch-in (close, record).
+TRACEPOINT_COST_NS = {"sched_switch": 550.0, "page_fault_user": 420.0, "ioctl": 600.0}
+TRACEPOINT_EMPTY_NS = 25.0  # an empty tracepoint program's dispatch and run, the ratio's denominator
+# The agent's CPU per event it handles, at most (decode, store, correlate: ~2.3 us per event measured end to
+# end on the tiny model, issue 14): its CPU beyond hits x this is fixed work (snapshots, ticks) that
+# shedding probes would not remove, so only this much of its competing CPU is put on the probes.
+AGENT_EVENT_NS_MAX = 3000.0
+STEP_SEQ_OFFSET = 24  # struct llmobs_ctx_cell.step_seq (bpf/c/llmobs_abi.h)
 # When the probes' estimated cost reaches the workload's whole CPU time (a target that does nothing but
 # call probed functions, or costs overestimated in situ), its own work is taken as this share of busy:
 # the estimate stays finite (at most 1/MIN_USEFUL_SHARE - 1 more work) instead of dividing by ~0.
@@ -120,12 +142,21 @@ class _Shed:
     busy: float  # the workload's busy cores then
 
 
+def tracepoint_cost(probe) -> calibrate.ProbeCost:
+    """The default per-hit cost of a host tracepoint probe (TRACEPOINT_COST_NS)."""
+    site = "+".join(tracepoint for tracepoint, _ in probe.tracepoints) or probe.name
+    legs = "entry+return" if probe.timed or probe.name == "sched_switch" else "entry"
+    cost = TRACEPOINT_COST_NS.get(probe.name, 500.0)
+    return calibrate.ProbeCost(probe.name, site, "tracepoint", legs, cost, TRACEPOINT_EMPTY_NS, "default")
+
+
 @dataclass
 class _Target:
     session: object
     pid: int
     costs: dict[str, calibrate.ProbeCost]
-    samples: deque = field(default_factory=deque)  # (t, {probe: count}, cpu_s)
+    scale: float = DEFAULT_COST_SCALE  # the in-situ factor, learned (llmobs.governor.learning)
+    samples: deque = field(default_factory=deque)  # (t, {probe: count}, cpu_s, steps, wait_s)
     shed: dict[str, _Shed] = field(default_factory=dict)
     last_change: dict[str, float] = field(default_factory=dict)
     restored_at: dict[str, float] = field(default_factory=dict)
@@ -139,6 +170,15 @@ class _Target:
     estimate_weight: float = 0.0
     error: str | None = None  # why the last tick of this target failed
     last_restore_s: float = -1e18  # restores are spaced so the window sees each one's real rate
+    step_rate: float = 0.0  # token steps per second over the window
+    wait: float = 0.0  # the workload's runqueue wait over the window (cores' worth)
+    agent_cores: float = 0.0  # the agent's CPU competing with this workload (contention.agent_share)
+    agent_per_hit_s: float = 0.0  # ... spread over every hit the agent handles
+    ready: bool = False  # this tick's sample spans enough of a window
+    last_action_s: float = -1e18  # the last shed or restore (a learning window must not straddle one)
+    pending: learning.Pending | None = None
+    learned: list = field(default_factory=list)  # the last few learned samples (observed / predicted)
+    mem_fd: int | None = None  # /proc/PID/mem, for the context cell's step_seq
 
 
 class Governor:
@@ -158,6 +198,9 @@ class Governor:
         cost_scale: float = DEFAULT_COST_SCALE,
         cpu_seconds: Callable[[int], float | None] = process_cpu_seconds,
         history: int = 100,
+        learn_scale: bool = True,
+        contention: contention_mod.Contention | None | str = "auto",
+        tracepoints: bool = True,
     ):
         if budget <= 0:
             raise ValueError("the governor's budget must be > 0 (0 means: no governor)")
@@ -169,14 +212,36 @@ class Governor:
         self.hold_s = hold_s
         self.min_interval_s = min_interval_s
         self.min_overhead = min_overhead
-        if not cost_scale > 0:
-            raise ValueError("the governor's cost scale must be > 0")
-        self.cost_scale = cost_scale  # calibrated costs x this (DEFAULT_COST_SCALE says why)
-        self.cpu_seconds = cpu_seconds
         self.targets: dict[int, _Target] = {}
+        self.cost_scale = cost_scale  # the prior of every target's learned scale (DEFAULT_COST_SCALE)
+        self.learn_scale = learn_scale
+        self.cpu_seconds = cpu_seconds
+        # the agent's own CPU as a cost: read from this process and /proc unless the workload's CPU is
+        # itself synthetic (a test's cpu_seconds), where a real reading would mean nothing
+        if contention == "auto":
+            contention = contention_mod.Contention() if cpu_seconds is process_cpu_seconds else None
+        self.contention = contention
+        self._agent_samples: deque = deque()  # (t, agent cpu s, host busy s)
+        self.agent_cores = 0.0
+        self.host_cores = 0.0
+        self.tracepoints = tracepoints  # govern the host tracepoints (their switch words) too
+        self._tracepoint_holders: dict[tuple[int, str], set[int]] = {}  # (program, probe) -> pids shedding
         self.decisions: deque[Decision] = deque(maxlen=history)
         self.counts: dict[str, int] = {}  # action -> decisions taken (the OTLP counter)
         self.ticks = 0
+
+    @property
+    def cost_scale(self) -> float:
+        return self._cost_scale
+
+    @cost_scale.setter
+    def cost_scale(self, value: float) -> None:
+        """A new prior: every target starts learning again from it."""
+        if not value > 0:
+            raise ValueError("the governor's cost scale must be > 0")
+        self._cost_scale = value
+        for target in self.targets.values():
+            target.scale, target.pending = value, None
 
     # ---- sessions -----------------------------------------------------------------------------------
     def track(self, session, costs: dict[str, calibrate.ProbeCost] | None = None) -> None:
@@ -188,10 +253,23 @@ class Governor:
                 fallback = calibrate.default_costs("not calibrated")
                 durations = getattr(getattr(session, "options", None), "gemm_durations", False)
                 costs[resolved.probe.name] = calibrate.probe_cost(resolved, fallback, durations)
-        self.targets[session.pid] = _Target(session, session.pid, costs)
+        for probe in getattr(session, "attached_probes", []):
+            if probe.hook == "tracepoint" and probe.name not in costs:
+                costs[probe.name] = tracepoint_cost(probe)
+        self.targets[session.pid] = _Target(session, session.pid, costs, scale=self.cost_scale)
 
     def untrack(self, session) -> None:
-        self.targets.pop(session.pid, None)
+        """Forgets a target; a tracepoint it had switched off is switched on again unless another target
+        of the same program still has it shed (the program may be gone already: nothing to do then)."""
+        target = self.targets.pop(session.pid, None)
+        if target is not None and target.mem_fd is not None:
+            os.close(target.mem_fd)
+        for name in list(target.shed) if target is not None else ():
+            if self._is_tracepoint(target, name):
+                try:
+                    self._switch_tracepoint(target, name, True)
+                except Exception as exc:
+                    self.log(f"governor: pid {target.pid} {name}: not switched on again at untrack: {exc}")
 
     def release_all(self) -> list[str]:
         """The governor is being turned off: re-attaches every probe it shed and forgets every target.
@@ -200,12 +278,14 @@ class Governor:
         for target in list(self.targets.values()):
             for name in list(target.shed):
                 try:
-                    ok, why = target.session.restore_probe(name), "re-attach refused"
+                    ok, why = self._switch_on(target, name), "re-attach refused"
                 except Exception as exc:
                     ok, why = False, str(exc)
                 if not ok:
                     failed.append(f"pid {target.pid} {name}: {why}")
                     self.log(f"governor: pid {target.pid} {name} stays detached: {why}")
+            if target.mem_fd is not None:
+                os.close(target.mem_fd)
         self.targets.clear()
         return failed
 
@@ -214,11 +294,42 @@ class Governor:
             raise ValueError("the governor's budget must be > 0")
         self.budget = budget
 
+    def _governed(self, session) -> list[str]:
+        """The session's uprobes and, where its program has switch words, its tracepoints (attached or
+        shed): what the governor may switch off and on."""
+        switchable = self.tracepoints and hasattr(getattr(session, "program", None), "set_probe_enabled")
+        return [
+            p.name for p in getattr(session, "attached_probes", [])
+            if p.hook == "uprobe" or (p.hook == "tracepoint" and switchable)
+        ]  # fmt: skip
+
     @staticmethod
-    def _governed(session) -> list[str]:
-        """The session's uprobes (attached or shed): what the governor may switch off and on."""
-        names = [p.name for p in getattr(session, "attached_probes", []) if p.hook == "uprobe"]
-        return names
+    def _is_tracepoint(target: _Target, name: str) -> bool:
+        cost = target.costs.get(name)
+        return cost is not None and cost.site_class == "tracepoint"
+
+    def _switch_tracepoint(self, target: _Target, name: str, enabled: bool) -> bool:
+        """A tracepoint's word is per program, shared by its targets: off while any of them sheds it."""
+        program = target.session.program
+        holders = self._tracepoint_holders.setdefault((id(program), name), set())
+        if enabled:
+            holders.discard(target.pid)
+            if not holders:
+                program.set_probe_enabled(name, True)
+        else:
+            holders.add(target.pid)
+            program.set_probe_enabled(name, False)
+        return True
+
+    def _switch_off(self, target: _Target, name: str) -> bool:
+        if self._is_tracepoint(target, name):
+            return self._switch_tracepoint(target, name, False)
+        return target.session.shed_probe(name)
+
+    def _switch_on(self, target: _Target, name: str) -> bool:
+        if self._is_tracepoint(target, name):
+            return self._switch_tracepoint(target, name, True)
+        return target.session.restore_probe(name)
 
     # ---- one tick -----------------------------------------------------------------------------------
     def tick(self, now_s: float | None = None) -> list[Decision]:
@@ -226,10 +337,17 @@ class Governor:
         now_s = time.monotonic() if now_s is None else now_s
         self.ticks += 1
         decisions: list[Decision] = []
+        self._sample_agent(now_s)
         for target in list(self.targets.values()):
             try:
-                decisions += self._tick_target(target, now_s)
+                target.ready = self._sample(target, now_s)
             except Exception as exc:  # a target going away mid-tick: the caller untracks it
+                target.ready, target.error = False, str(exc)
+        self._share_agent_cost()
+        for target in list(self.targets.values()):
+            try:
+                decisions += self._tick_target(target, now_s) if target.ready else []
+            except Exception as exc:
                 target.error = str(exc)
         for decision in decisions:
             self.decisions.append(decision)
@@ -238,19 +356,31 @@ class Governor:
         return decisions
 
     def _sample(self, target: _Target, now_s: float) -> bool:
-        """Adds a (time, counts, cpu) sample; updates rates and busy. False until the window spans enough."""
+        """Adds a (time, counts, cpu, steps, wait) sample; updates rates, busy, steps/s and runqueue wait.
+        False until the window spans enough."""
         counts: dict[str, int] = {}
-        for (pid, probe, _step), value in target.session.live_totals().items():
-            if pid == target.pid and probe < len(_NAMES):
-                name = _NAMES[probe]
-                counts[name] = counts.get(name, 0) + int(value[0])
+        steps = 0
+        cell_steps = self._cell_steps(target)
+        if hasattr(target.session, "probe_counts"):  # O(probes + live keys), not every step's totals
+            for (pid, probe), n in target.session.probe_counts().items():
+                if pid == target.pid and probe < len(_NAMES):
+                    counts[_NAMES[probe]] = counts.get(_NAMES[probe], 0) + int(n)
+            steps = cell_steps or target.session.totals_overview()[2]  # else the newest step counted
+        else:
+            for (pid, probe, step), value in target.session.live_totals().items():
+                if pid == target.pid and probe < len(_NAMES):
+                    name = _NAMES[probe]
+                    counts[name] = counts.get(name, 0) + int(value[0])
+                    steps = max(steps, step)  # the context cell's step_seq: token steps so far
+            steps = cell_steps or steps
         cpu = self.cpu_seconds(target.pid)
         if cpu is None:
             return False
-        target.samples.append((now_s, counts, cpu))
+        wait = self.contention.wait(target.pid) if self.contention is not None else None
+        target.samples.append((now_s, counts, cpu, steps, wait))
         while len(target.samples) > 2 and now_s - target.samples[1][0] >= self.window_s:
             target.samples.popleft()
-        first_t, first_counts, first_cpu = target.samples[0]
+        first_t, first_counts, first_cpu, first_steps, first_wait = target.samples[0]
         span = now_s - first_t
         if span < self.min_span_s:
             return False
@@ -258,13 +388,99 @@ class Governor:
             name: max(count - first_counts.get(name, 0), 0) / span for name, count in counts.items()
         }
         target.busy = max(cpu - first_cpu, 0.0) / span
+        target.step_rate = max(steps - first_steps, 0) / span
+        waited = wait is not None and first_wait is not None
+        target.wait = max(wait - first_wait, 0.0) / span if waited else 0.0
+        self._learn(target, now_s, cpu, steps)
         return True
 
+    @staticmethod
+    def _cell_steps(target: _Target) -> int | None:
+        """The workload's token steps from its context cell (step_seq, /proc/PID/mem): counted even when
+        every probe that tags events with the step is shed. None without a cell or where unreadable."""
+        address = getattr(target.session, "cell_address", 0)
+        if not isinstance(address, int) or not address:
+            return None
+        try:
+            if target.mem_fd is None:
+                target.mem_fd = os.open(f"/proc/{target.pid}/mem", os.O_RDONLY)
+            raw = os.pread(target.mem_fd, 8, address + STEP_SEQ_OFFSET)
+        except OSError:
+            return None
+        return int.from_bytes(raw, "little") if len(raw) == 8 else None
+
+    def _sample_agent(self, now_s: float) -> None:
+        """The agent's and the host's busy cores over the window (for contention.agent_share)."""
+        if self.contention is None:
+            return
+        try:
+            agent, host = self.contention.tick()
+        except (OSError, ValueError):
+            return
+        self._agent_samples.append((now_s, agent, host))
+        while len(self._agent_samples) > 2 and now_s - self._agent_samples[1][0] >= self.window_s:
+            self._agent_samples.popleft()
+        first_t, first_agent, first_host = self._agent_samples[0]
+        span = now_s - first_t
+        if span > 0:
+            self.agent_cores = max(agent - first_agent, 0.0) / span
+            self.host_cores = max(host - first_host, 0.0) / span
+
+    def _share_agent_cost(self) -> None:
+        """Each target's share of the agent's CPU (what its runqueue wait says the agent took from it),
+        spread over every hit the agent handles, of all targets: the agent's work is per event."""
+        ready = [t for t in self.targets.values() if t.ready]
+        hits = sum(t.rates.get(n, 0.0) for t in ready for n in self._governed(t.session) if n not in t.shed)
+        per_event = min(1.0, hits * AGENT_EVENT_NS_MAX * 1e-9 / self.agent_cores) if self.agent_cores else 0
+        for target in ready:
+            target.agent_cores = per_event * contention_mod.agent_share(
+                target.wait, self.agent_cores, self.host_cores, target.busy
+            )
+            target.agent_per_hit_s = target.agent_cores / hits if hits > 0 else 0.0
+
     def _cost_s(self, target: _Target, name: str) -> float:
-        return target.costs[name].cost_ns * 1e-9 * self.cost_scale
+        """What one hit of `name` costs the workload: its scaled calibrated cost plus its share of the
+        agent's competing CPU."""
+        return target.costs[name].cost_ns * 1e-9 * target.scale + target.agent_per_hit_s
 
     def _overhead(self, target: _Target, names) -> float:
         return sum(target.rates.get(n, 0.0) * self._cost_s(target, n) for n in names if n in target.costs)
+
+    # ---- learning the in-situ scale -------------------------------------------------------------------
+    def _learn(self, target: _Target, now_s: float, cpu: float, steps: float) -> None:
+        """Completes a pending observation once a whole window has passed since its action."""
+        pending = target.pending
+        if pending is None or now_s - pending.at_s < self.window_s:
+            return
+        target.pending = None
+        after = learning.Window(cpu - pending.cpu_at, steps - pending.steps_at)
+        sample = learning.learned_sample(pending, after)
+        if sample is None:
+            return
+        before = target.scale
+        target.scale = learning.updated_scale(target.scale, sample)
+        target.learned = [*target.learned[-4:], round(sample, 3)]
+        self.log(
+            f"governor: pid {target.pid} cost scale {before:.2f} -> {target.scale:.2f} (this action's "
+            f"observed/predicted {sample:.2f}; CPU per step {pending.before.cpu_per_step * 1e3:.3f} -> "
+            f"{after.cpu_per_step * 1e3:.3f} ms)"
+        )
+
+    def _observe(self, target: _Target, now_s: float, sign: float, switched: dict[str, float]) -> None:
+        """Starts an observation of an action that switched `switched` (probe -> its rate), if its before
+        window is clean (no other action in it) and the workload makes token steps."""
+        clean = now_s - target.last_action_s >= self.window_s and target.pending is None
+        target.pending = None  # an action inside a pending observation's window spoils it
+        target.last_action_s = now_s
+        if not (self.learn_scale and clean and target.step_rate > 0 and len(target.samples) >= 2):
+            return
+        first_t, _counts, first_cpu, first_steps, _wait = target.samples[0]
+        _t, _counts, cpu, steps, _wait = target.samples[-1]
+        unscaled = sum(rate * target.costs[n].cost_ns * 1e-9 for n, rate in switched.items())
+        target.pending = learning.Pending(
+            now_s, sign, unscaled / target.step_rate,
+            learning.Window(cpu - first_cpu, steps - first_steps), cpu, steps,
+        )  # fmt: skip
 
     def _projected_rate(self, target: _Target, name: str) -> float:
         shed = target.shed[name]
@@ -277,9 +493,13 @@ class Governor:
             return []
         session = target.session
         governed = [n for n in self._governed(session) if n in target.costs]
+        if not governed:
+            return []
         active = [n for n in governed if n not in target.shed]
         overhead = self._overhead(target, active)
-        target.useful = useful_work(overhead, target.busy)
+        # the hits are charged to the workload's busy time, the agent's competing CPU is not (it is wait)
+        in_busy = overhead - target.agent_per_hit_s * sum(target.rates.get(n, 0.0) for n in active)
+        target.useful = useful_work(in_busy, target.busy)
         target.estimate = slowdown(overhead, target.useful)
         target.estimate_sum += target.estimate * target.busy
         target.estimate_weight += target.busy
@@ -314,8 +534,13 @@ class Governor:
                 )
             if last:
                 reason += "; the last governed probe: pid now has no uprobe attached"
+            if target.agent_cores > 0:
+                reason += (
+                    f"; the agent's own CPU competing: {target.agent_cores:.3f} cores "
+                    f"(workload waited {target.wait:.3f} cores on the runqueue)"
+                )
             try:
-                ok = target.session.shed_probe(name)
+                ok = self._switch_off(target, name)
             except Exception as exc:
                 ok, reason = False, f"{reason}; detach failed: {exc}"
             if not ok:
@@ -334,6 +559,9 @@ class Governor:
             overhead = max(overhead - part, 0.0)
             decisions.append(self._decision(now_s, target, name, action, before, after, reason, rate))
         target.estimate = slowdown(overhead, useful)
+        switched = {d.probe: d.rate_hz for d in decisions if d.action in ("shed", "shed-last")}
+        if switched:
+            self._observe(target, now_s, +1.0, switched)
         return decisions
 
     def _restore(self, target: _Target, now_s: float, active: list[str], overhead: float) -> list[Decision]:
@@ -358,7 +586,7 @@ class Governor:
             under = f"{self.restore_below:.0%} of the budget"
             reason = f"estimate with it stayed under {under} for {now_s - since:.0f} s"
             try:
-                ok = target.session.restore_probe(name)
+                ok = self._switch_on(target, name)
             except Exception as exc:
                 ok, reason = False, f"re-attach failed: {exc}"
             if not ok:
@@ -370,6 +598,7 @@ class Governor:
             target.restored_at[name] = now_s
             target.last_restore_s = now_s
             target.estimate = with_it
+            self._observe(target, now_s, -1.0, {name: projected[name]})
             return [self._decision(now_s, target, name, "restore", before, with_it, reason, projected[name])]
         return []
 
@@ -403,6 +632,11 @@ class Governor:
             "estimate": target.estimate,
             "mean_estimate": target.estimate_sum / target.estimate_weight if target.estimate_weight else None,
             "busy_cores": target.busy,
+            "cost_scale": round(target.scale, 3),
+            "learned": list(target.learned),
+            "step_rate": round(target.step_rate, 2),
+            "agent_cores": round(target.agent_cores, 4),
+            "runqueue_wait_cores": round(target.wait, 4),
             "shed": sorted(target.shed),
             "probes": probes,
             "decisions": [d.as_dict() for d in self.decisions if d.pid == pid][-10:],

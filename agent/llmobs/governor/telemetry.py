@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 
 from llmobs import clock
+from llmobs.stagecpu import STAGES
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -106,6 +107,10 @@ class SelfTelemetry:
     @staticmethod
     def _session_events(session) -> int:
         try:
+            if hasattr(session, "probe_counts"):  # O(probes + live keys), not every step's totals
+                return sum(
+                    int(n) for (pid, _probe), n in session.probe_counts().items() if pid == session.pid
+                )
             return sum(int(v[0]) for key, v in session.live_totals().items() if key[0] == session.pid)
         except Exception:
             return 0
@@ -171,6 +176,7 @@ class SelfTelemetry:
             "export": {**{name: 0 for name in EXPORT_COUNTERS}, **export, "last_error": last_error}
             if self.exporters or export
             else None,
+            "stage_cpu": STAGES.snapshot(),  # cumulative CPU by stage (llmobs.stagecpu)
         }
         if self.governor is not None:
             snap = self.governor.snapshot()
@@ -191,6 +197,8 @@ def top_fields(sample: dict, governor_state: dict | None) -> dict:
     fields = {key: sample[key] for key in ("agent_pid", "cpu_percent", "rss_bytes", "events",
                                             "drops_kernel", "drops_user")}  # fmt: skip
     fields["export_failures"] = sample["export"]["attempts_failed"] if sample.get("export") else None
+    if sample.get("stage_cpu") is not None:
+        fields["stage_cpu"] = sample["stage_cpu"]
     fields["governor"] = None
     if governor_state is not None:
         last = (governor_state.get("decisions") or [None])[-1]

@@ -8,15 +8,32 @@ ties them: bounded, at-least-once, counted). docs/otlp.md documents the mapping 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from llmobs.otlp.config import OtlpConfig, resolve
-from llmobs.otlp.delivery import ExportCounters, ExportFailed, OtlpExporter
+
+if TYPE_CHECKING:
+    from llmobs.otlp.delivery import ExportCounters, ExportFailed, OtlpExporter
 
 __all__ = ["ExportCounters", "ExportFailed", "OtlpConfig", "OtlpExporter", "resolve", "start_exporter"]
+
+
+def __getattr__(name: str):
+    """delivery (gRPC, requests, protobuf: ~15 MB resident, ~0.5 s) is imported when an exporter is
+    made, not with the package: the daemon reads its [otlp] settings through llmobs.otlp.config on
+    every start, exporting or not."""
+    if name in ("ExportCounters", "ExportFailed", "OtlpExporter"):
+        from llmobs.otlp import delivery
+
+        return getattr(delivery, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def start_exporter(store, config: OtlpConfig) -> OtlpExporter:
     """Follow a live DuckDBStore from a background thread on its own DuckDB connection (for `attach
     --otlp` and the daemon); call `.shutdown()` on the result before closing the store."""
+    from llmobs.otlp.delivery import OtlpExporter
+
     exporter = OtlpExporter(store.connection.cursor(), config)
     exporter.start()
     return exporter

@@ -20,10 +20,16 @@ import math
 import socket
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, InstrumentationScope, KeyValue
+from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from llmobs.otlp import wire
+from llmobs.otlp.served import request_span, served_span_id
 from llmobs.otlp.source import StepBatch
 
 SCOPE_NAME = "llmobs-agent"
@@ -88,6 +94,10 @@ ANOMALY_ATTRIBUTES = (
 )
 
 
+_blake2b = hashlib.blake2b
+_ZERO_ID = bytes(8)
+
+
 def _hash(parts: Iterable[object], size: int, key: bytes = b"") -> bytes:
     text = "\x1f".join(str(p) for p in parts).encode()
     digest = hashlib.blake2b(text, digest_size=size, key=key).digest()
@@ -131,7 +141,31 @@ class SpanIds:
 
     @staticmethod
     def step_span_id(pid: int, trace_hex: str, step_seq: int, batch_row: int) -> bytes:
-        return _hash(("step", pid, trace_hex, step_seq, batch_row), 8)
+        # _hash(("step", pid, trace_hex, step_seq, batch_row), 8), written out: called once per span
+        text = f"step\x1f{pid}\x1f{trace_hex}\x1f{step_seq}\x1f{batch_row}".encode()
+        digest = _blake2b(text, digest_size=8).digest()
+        return digest if digest != _ZERO_ID else b"\x01" + digest[1:]
+
+    def step_ids(
+        self, pids: list, traces: list, seqs: list, rows: list, request_seqs: list | None = None
+    ) -> tuple[bytes, bytes, bytes]:
+        """Trace, span and parent (request) span ids of many token steps, each kind back to back. A step
+        with a request_seq is parented by its served request's span (llmobs.otlp.served)."""
+        trace_ids, span_ids, parent_ids = [], [], []
+        requests: dict[tuple[int, str, int], bytes] = {}
+        step_span_id, trace_id = self.step_span_id, self.trace_id
+        if request_seqs is None:
+            request_seqs = [0] * len(pids)
+        for pid, trace, seq, row, request in zip(pids, traces, seqs, rows, request_seqs, strict=True):
+            parent = requests.get((pid, trace, request))
+            if parent is None:
+                parent = requests[(pid, trace, request)] = (
+                    served_span_id(pid, trace, request) if request else self.request_span_id(pid, trace)
+                )
+            trace_ids.append(trace_id(pid, trace))
+            span_ids.append(step_span_id(pid, trace, seq, row))
+            parent_ids.append(parent)
+        return b"".join(trace_ids), b"".join(span_ids), b"".join(parent_ids)
 
 
 def set_attribute(attributes, key: str, value: object) -> None:
@@ -188,8 +222,136 @@ def key_values(items: Mapping[str, object]) -> list[KeyValue]:
     return out
 
 
+class EncodedTraces:
+    """An ExportTraceServiceRequest already in wire form (what the transports send), parsed into the
+    generated message only when something reads its fields (tests, tools)."""
+
+    def __init__(self, payload: bytes, spans: int):
+        self.payload = payload
+        self.spans = spans
+        self._message: ExportTraceServiceRequest | None = None
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf message interface
+        return self.payload
+
+    def ByteSize(self) -> int:  # noqa: N802
+        return len(self.payload)
+
+    @property
+    def message(self) -> ExportTraceServiceRequest:
+        if self._message is None:
+            self._message = ExportTraceServiceRequest.FromString(self.payload)
+        return self._message
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.message, name)
+
+
+# Wire tags of the fields written here (opentelemetry-proto trace.proto / common.proto).
+_T_SCOPE_SPANS_SPAN = wire.tag(2, 2)  # ScopeSpans.spans
+_T_SPAN_ATTRIBUTE = wire.tag(9, 2)  # Span.attributes
+_T_SPAN_EVENT = wire.tag(11, 2)  # Span.events
+_T_EVENT_ATTRIBUTE = wire.tag(3, 2)  # Span.Event.attributes
+
+
+def _key_prefix(key: str) -> bytes:
+    """KeyValue.key, then the tag of KeyValue.value."""
+    raw = key.encode()
+    return wire.tag(1, 2) + wire.varint_bytes(len(raw)) + raw + wire.tag(2, 2)
+
+
+def _add_attribute(out: wire.Pieces, field_tag: bytes, key: str, column) -> None:
+    """One attribute per row from an Arrow column, by the column's type as set_attribute types the
+    Python value: integers -> int_value, floats -> double_value (NaN left out), bools -> bool_value,
+    strings -> string_value; NULL left out.
+
+    The usual case (a short key, a value under 100 bytes: every length fits one varint byte) is one
+    (rows x bytes) matrix per attribute; anything longer goes through the general nested form."""
+    n = out.n
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    kind = column.type
+    if pa.types.is_null(kind):  # a column that is NULL in every row (e.g. gpu_ns without CUPTI)
+        return
+    prefix = np.frombuffer(_key_prefix(key), np.uint8)
+    width = len(prefix)
+    short = len(field_tag) == 1 and width + 16 < 128
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_dictionary(kind):
+        data, start, length, present = wire.string_segments(column)
+        if short and n and int(length.max()) + width + 4 < 128:
+            head = np.empty((n, width + 5), np.uint8)
+            head[:, 0] = field_tag[0]
+            head[:, 1] = width + 3 + length
+            head[:, 2 : 2 + width] = prefix
+            head[:, 2 + width] = 2 + length
+            head[:, 3 + width] = 0x0A
+            head[:, 4 + width] = length
+            out.matrix(head, np.where(present, width + 5, 0))
+            out.add(data, start, length)
+            return
+        value = wire.Pieces(n)
+        value.const(b"\x0a").varint(length).add(data, start, length)
+    else:
+        present = np.ones(n, dtype=bool) if column.null_count == 0 else ~np.asarray(column.is_null())
+        if pa.types.is_boolean(kind):
+            body, body_length, code = (
+                np.asarray(column.fill_null(False)).astype(np.uint8)[:, None],
+                None,
+                0x10,
+            )
+        elif pa.types.is_floating(kind):
+            values = np.asarray(column.fill_null(0.0), dtype=np.float64)
+            present &= ~np.isnan(values)
+            body, body_length, code = wire.fixed64_matrix(values), None, 0x21
+        elif pa.types.is_integer(kind):
+            values = np.asarray(column.fill_null(0)).astype(np.int64)  # uint64 above 2^63: wraps, as int64
+            body, body_length = wire.varint_matrix(values)
+            code = 0x18
+        else:
+            raise TypeError(f"no OTLP attribute type for {kind} ({key})")
+        if short:
+            if body_length is None:
+                body_length = np.full(n, body.shape[1], np.int64)
+            row = np.empty((n, width + 4 + body.shape[1]), np.uint8)
+            row[:, 0] = field_tag[0]
+            row[:, 1] = width + 2 + body_length
+            row[:, 2 : 2 + width] = prefix
+            row[:, 2 + width] = 1 + body_length
+            row[:, 3 + width] = code
+            row[:, 4 + width :] = body
+            out.matrix(row, np.where(present, width + 4 + body_length, 0))
+            return
+        value = wire.Pieces(n).const(bytes([code]))
+        value.matrix(body, body_length)
+    keyvalue = wire.Pieces(n).const(_key_prefix(key))
+    keyvalue.varint(value.length).extend(value)
+    out.const(field_tag, present)
+    out.varint(keyvalue.length, present)
+    out.extend(keyvalue, present)
+
+
+def _const_attribute(field_tag: bytes, key: str, value: object) -> bytes:
+    """The bytes of one attribute that is the same on every span."""
+    holder = Span()
+    set_attribute(holder.attributes, key, value)
+    if not holder.attributes:
+        return b""
+    raw = holder.attributes[0].SerializeToString()
+    return field_tag + wire.varint_bytes(len(raw)) + raw
+
+
+def _field(field: int, payload: bytes) -> bytes:
+    return wire.tag(field, 2) + wire.varint_bytes(len(payload)) + payload
+
+
 class TraceEncoder:
-    """Encodes a StepBatch into one ExportTraceServiceRequest: a ResourceSpans per workload pid."""
+    """Encodes a StepBatch into one ExportTraceServiceRequest: a ResourceSpans per workload pid.
+
+    Token-step spans and their events are encoded in bulk from the batch's columns (llmobs.otlp.wire);
+    request spans (a few per batch) and the resource through the generated classes. The bytes are those
+    the generated classes would write for the same spans, field by field."""
 
     def __init__(
         self,
@@ -206,6 +368,12 @@ class TraceEncoder:
         self.extra_resource = dict(resource_attributes or {})
         self.operation = operation
         self.host_name = host_name or socket.gethostname()
+        self._span_head = (
+            _field(5, STEP_SPAN_NAME.encode()) + wire.tag(6, 0) + wire.varint_bytes(Span.SPAN_KIND_INTERNAL)
+        )
+        self._operation_attribute = _const_attribute(_T_SPAN_ATTRIBUTE, "gen_ai.operation.name", operation)
+        scope = InstrumentationScope(name=SCOPE_NAME, version=SCOPE_VERSION)
+        self._scope_field = _field(1, scope.SerializeToString())
 
     def resource(self, pid: int, process: Mapping[str, object], model_id: str | None) -> dict[str, object]:
         attributes: dict[str, object] = {
@@ -219,99 +387,234 @@ class TraceEncoder:
         attributes.update(self.extra_resource)  # OTEL_RESOURCE_ATTRIBUTES / --resource-attr win
         return attributes
 
-    def encode(self, batch: StepBatch) -> ExportTraceServiceRequest:
-        request = ExportTraceServiceRequest()
-        scopes: dict[int, object] = {}
+    def encode(self, batch: StepBatch) -> EncodedTraces:
+        steps = batch.step_table
+        pids = steps.column("pid").to_pylist()
+        # Spans are grouped by process (one ResourceSpans each) in the order processes first appear.
+        order_of_pid: dict[int, int] = {}
+        for pid in pids:
+            order_of_pid.setdefault(pid, len(order_of_pid))
+        if len(order_of_pid) > 1:
+            group = np.array([order_of_pid[p] for p in pids], dtype=np.int64)
+            steps = steps.take(pa.array(np.argsort(group, kind="stable")))
+            pids = steps.column("pid").to_pylist()
+        span_bytes, span_offsets = self._step_spans(batch, steps, pids)
 
-        def scope_for(pid: int, model_id: str | None):
-            scope = scopes.get(pid)
-            if scope is None:
-                resource_spans = request.resource_spans.add()
-                process = batch.processes.get(pid, {})
-                resource_spans.resource.attributes.extend(key_values(self.resource(pid, process, model_id)))
-                scope = resource_spans.scope_spans.add()
-                scope.scope.name = SCOPE_NAME
-                scope.scope.version = SCOPE_VERSION
-                scopes[pid] = scope
-            return scope
+        models = steps.column("model_id").to_pylist() if steps.num_rows else []
+        first_row: dict[int, int] = {}
+        last_row: dict[int, int] = {}
+        for index, pid in enumerate(pids):
+            first_row.setdefault(pid, index)
+            last_row[pid] = index
+        requests_of: dict[int, list[bytes]] = {}
+        request_model: dict[int, str | None] = {}
+        for req in batch.requests:
+            raw = self._request_span(req).SerializeToString()
+            requests_of.setdefault(req["pid"], []).append(
+                _T_SCOPE_SPANS_SPAN + wire.varint_bytes(len(raw)) + raw
+            )
+            request_model.setdefault(req["pid"], req["model_id"])
+        if batch.served:
+            for row in batch.served:
+                raw = request_span(self.ids, row, self.wall_offset_ns, self.operation).SerializeToString()
+                requests_of.setdefault(row["pid"], []).append(
+                    _T_SCOPE_SPANS_SPAN + wire.varint_bytes(len(raw)) + raw
+                )
+                request_model.setdefault(row["pid"], row["model_id"])
+        out = []
+        for pid in [*first_row, *(p for p in requests_of if p not in first_row)]:
+            model = models[first_row[pid]] if pid in first_row else request_model[pid]
+            resource = Resource()
+            resource.attributes.extend(key_values(self.resource(pid, batch.processes.get(pid, {}), model)))
+            parts = [self._scope_field]
+            if pid in first_row:
+                lo, hi = span_offsets[first_row[pid]], span_offsets[last_row[pid] + 1]
+                parts.append(span_bytes[lo:hi].tobytes())
+            parts.extend(requests_of.get(pid, ()))
+            scope_spans = b"".join(parts)
+            resource_spans = _field(1, resource.SerializeToString()) + _field(2, scope_spans)
+            out.append(_field(1, resource_spans))
+        return EncodedTraces(b"".join(out), steps.num_rows + len(batch.requests) + len(batch.served))
+
+    # -- token-step spans, in bulk -------------------------------------------------------------------
+
+    def _step_spans(self, batch: StepBatch, steps: pa.Table, pids: list) -> tuple[np.ndarray, np.ndarray]:
+        """Every step's span, each wrapped as a ScopeSpans.spans field: (bytes, row offsets)."""
+        n = steps.num_rows
+        if n == 0:
+            return np.zeros(0, np.uint8), np.zeros(1, np.int64)
+        traces = steps.column("trace_id").to_pylist()
+        seqs = steps.column("step_seq").to_pylist()
+        rows = steps.column("batch_row").to_pylist()
+        request_seqs = (
+            steps.column("request_seq").fill_null(0).to_pylist()
+            if "request_seq" in steps.column_names
+            else None
+        )
+        trace_ids, span_ids, parent_ids = self.ids.step_ids(pids, traces, seqs, rows, request_seqs)
+        offset = self.wall_offset_ns
+        start = steps.column("t_start_ns").to_numpy().astype(np.int64)
+        end = np.maximum(steps.column("t_end_ns").to_numpy().astype(np.int64), start)
+
+        def column_of(blob: bytes, rows: int = n) -> np.ndarray:
+            return np.broadcast_to(np.frombuffer(blob, np.uint8), (rows, len(blob)))
+
+        head = np.concatenate(  # ids, name, kind, start and end: the same width in every span
+            [
+                column_of(wire.tag(1, 2) + b"\x10"),
+                np.frombuffer(trace_ids, np.uint8).reshape(n, 16),
+                column_of(wire.tag(2, 2) + b"\x08"),
+                np.frombuffer(span_ids, np.uint8).reshape(n, 8),
+                column_of(wire.tag(4, 2) + b"\x08"),
+                np.frombuffer(parent_ids, np.uint8).reshape(n, 8),
+                column_of(self._span_head),
+                column_of(wire.tag(7, 1)),
+                wire.fixed64_matrix(start + offset),
+                column_of(wire.tag(8, 1)),
+                wire.fixed64_matrix(end + offset),
+            ],
+            axis=1,
+        )
+        span = wire.Pieces(n).matrix(head)
+        if self._operation_attribute:
+            span.const(self._operation_attribute)
+        for column, name in STEP_ATTRIBUTES:
+            _add_attribute(span, _T_SPAN_ATTRIBUTE, name, steps.column(column))
+        self._add_rollups(span, batch, pids, seqs)
 
         # Which step span carries a forward pass's events: the one of the event's own trace if the pass
         # has it, else the pass's first batch row.
-        by_trace: dict[tuple[int, int, str], Span] = {}
-        by_pass: dict[tuple[int, int], Span] = {}
-        offset = self.wall_offset_ns
-        for step in batch.steps:
-            pid, trace_hex = step["pid"], step["trace_id"]
-            span = scope_for(pid, step["model_id"]).spans.add()
-            span.trace_id = self.ids.trace_id(pid, trace_hex)
-            span.span_id = self.ids.step_span_id(pid, trace_hex, step["step_seq"], step["batch_row"])
-            span.parent_span_id = self.ids.request_span_id(pid, trace_hex)
-            span.name = STEP_SPAN_NAME
-            span.kind = Span.SPAN_KIND_INTERNAL
-            span.start_time_unix_nano = step["t_start_ns"] + offset
-            span.end_time_unix_nano = max(step["t_end_ns"], step["t_start_ns"]) + offset
-            attributes = span.attributes
-            set_attribute(attributes, "gen_ai.operation.name", self.operation)
-            for column, name in STEP_ATTRIBUTES:
-                set_attribute(attributes, name, step[column])
-            rollup = batch.rollups.get((pid, step["step_seq"]))
-            if rollup is not None:
-                for column, name in ROLLUP_ATTRIBUTES:
-                    set_attribute(attributes, name, rollup[column])
-            by_trace[(pid, step["step_seq"], trace_hex)] = span
-            by_pass.setdefault((pid, step["step_seq"]), span)
+        by_trace: dict[tuple[int, int, str], int] = {}
+        by_pass: dict[tuple[int, int], int] = {}
+        for index, key in enumerate(zip(pids, seqs, traces, strict=True)):
+            by_trace[key] = index
+            by_pass.setdefault(key[:2], index)
+        dropped = self._add_events(span, batch, by_trace, by_pass, n, end + offset)
+        span.const(wire.tag(12, 0), dropped > 0).varint(dropped, dropped > 0)
 
-        totals: dict[int, tuple[Span, int]] = {}
-        for event in batch.events:
-            key = (event["pid"], event["step_seq"])
-            span = by_trace.get((*key, event["trace_id"])) or by_pass.get(key)
-            if span is None:
-                continue
-            span_event = span.events.add()
-            span_event.time_unix_nano = event["ts_ns"] + offset
-            span_event.name = event["probe"]
+        wrapped = wire.Pieces(n)
+        wrapped.const(_T_SCOPE_SPANS_SPAN).varint(span.length).extend(span)
+        return wrapped.gather()
+
+    def _add_rollups(self, span: wire.Pieces, batch: StepBatch, pids: list, seqs: list) -> None:
+        """The forward pass's rollup attributes on each of its rows (absent until correlate ran)."""
+        if not batch.rollups:
+            return
+        keys = list(batch.rollups)
+        position = {key: index for index, key in enumerate(keys)}
+        which = np.array([position.get(key, -1) for key in zip(pids, seqs, strict=True)], dtype=np.int64)
+        has = which >= 0
+        if not has.any():
+            return
+        table = pa.Table.from_pylist([batch.rollups[key] for key in keys])
+        take = pa.array(np.where(has, which, 0))
+        for column, name in ROLLUP_ATTRIBUTES:
+            values = table.column(column).take(take)
+            if not has.all():
+                values = pc.if_else(pa.array(has), values, pa.nulls(len(has), values.type))
+            _add_attribute(span, _T_SPAN_ATTRIBUTE, name, values)
+
+    def _add_events(
+        self,
+        span: wire.Pieces,
+        batch: StepBatch,
+        by_trace: dict,
+        by_pass: dict,
+        n: int,
+        end_wall: np.ndarray,
+    ) -> np.ndarray:
+        """The sampled probe events and the anomalies of each span as its Span.events; returns each
+        span's dropped_events_count (its pass's events beyond the cap)."""
+        dropped = np.zeros(n, dtype=np.int64)
+        events = batch.events
+        if events is not None and events.num_rows:
+            keys = zip(
+                events.column("pid").to_pylist(),
+                events.column("step_seq").to_pylist(),
+                events.column("trace_id").to_pylist(),
+                strict=True,
+            )
+            owner = np.array([by_trace.get(key, by_pass.get(key[:2], -1)) for key in keys], dtype=np.int64)
+            keep = np.flatnonzero(owner >= 0)
+            order = keep[np.argsort(owner[keep], kind="stable")]  # per span, in the query's order
+            events = events.take(pa.array(order))
+            owner = owner[order]
+            m = len(order)
+            event = wire.Pieces(m)
+            ts = events.column("ts_ns").to_numpy().astype(np.int64) + self.wall_offset_ns
+            time_field = np.empty((m, 9), np.uint8)
+            time_field[:, 0] = wire.tag(1, 1)[0]
+            time_field[:, 1:] = wire.fixed64_matrix(ts)
+            event.matrix(time_field)
+            data, start, length, _ = wire.string_segments(events.column("probe"))
+            event.const(wire.tag(2, 2)).varint(length).add(data, start, length)
             for column, name in EVENT_ATTRIBUTES:
-                set_attribute(span_event.attributes, name, event[column])
-            totals[id(span)] = (span, event["pass_total"])
-        for span, total in totals.values():
-            span.dropped_events_count = max(total - len(span.events), 0)
+                _add_attribute(event, _T_EVENT_ATTRIBUTE, name, events.column(column))
+            fields = wire.Pieces(m)
+            fields.const(_T_SPAN_EVENT).varint(event.length).extend(event)
+            event_bytes, event_offsets = fields.gather()
+            first = np.searchsorted(owner, np.arange(n), side="left")
+            after = np.searchsorted(owner, np.arange(n), side="right")
+            count = after - first
+            span.add(event_bytes, event_offsets[first], event_offsets[after] - event_offsets[first])
+            totals = events.column("pass_total").to_numpy().astype(np.int64)
+            with_events = count > 0
+            dropped[with_events] = np.maximum(totals[after[with_events] - 1] - count[with_events], 0)
+        if batch.anomalies:
+            self._add_anomalies(span, batch.anomalies, by_trace, by_pass, n, end_wall)
+        return dropped
 
-        for anomaly in batch.anomalies:  # at the step's end: the loss is known once the pass is over
+    def _add_anomalies(self, span, anomalies, by_trace, by_pass, n, end_wall) -> None:
+        """llmobs.anomaly events (a few per batch), after the span's probe events, at the step's end: the
+        loss is known once the pass is over."""
+        per_span: dict[int, list[bytes]] = {}
+        for anomaly in anomalies:
             key = (anomaly["pid"], anomaly["step_seq"])
-            span = by_trace.get((*key, anomaly["trace_id"])) or by_pass.get(key)
-            if span is None:
+            index = by_trace.get((*key, anomaly["trace_id"]), by_pass.get(key))
+            if index is None:
                 continue
-            span_event = span.events.add()
-            span_event.time_unix_nano = span.end_time_unix_nano
+            span_event = Span.Event()
+            span_event.time_unix_nano = int(end_wall[index])
             span_event.name = ANOMALY_EVENT_NAME
             for column, name in ANOMALY_ATTRIBUTES:
                 set_attribute(span_event.attributes, name, anomaly[column])
             set_attribute(
                 span_event.attributes, "llmobs.anomaly.evidence", evidence_summary(anomaly["evidence"])
             )
+            raw = span_event.SerializeToString()
+            per_span.setdefault(index, []).append(_T_SPAN_EVENT + wire.varint_bytes(len(raw)) + raw)
+        if not per_span:
+            return
+        blobs = [b"".join(per_span.get(index, ())) for index in range(n)]
+        lengths = np.array([len(b) for b in blobs], dtype=np.int64)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        span.add(np.frombuffer(b"".join(blobs), np.uint8), starts, lengths)
 
-        for req in batch.requests:
-            pid, trace_hex = req["pid"], req["trace_id"]
-            span = scope_for(pid, req["model_id"]).spans.add()
-            span.trace_id = self.ids.trace_id(pid, trace_hex)
-            span.span_id = self.ids.request_span_id(pid, trace_hex)
-            model = req["model_id"] or "unknown"
-            span.name = f"{self.operation} {model}"
-            span.kind = Span.SPAN_KIND_INTERNAL
-            span.start_time_unix_nano = req["t_start_ns"] + offset
-            span.end_time_unix_nano = max(req["t_end_ns"], req["t_start_ns"]) + offset
-            attributes = span.attributes
-            set_attribute(attributes, "gen_ai.operation.name", self.operation)
-            set_attribute(attributes, "gen_ai.request.model", req["model_id"])
-            set_attribute(attributes, "gen_ai.response.model", req["model_id"])
-            set_attribute(attributes, "gen_ai.conversation.id", req["session"])
-            set_attribute(attributes, "gen_ai.usage.output_tokens", req["tokens"])
-            set_attribute(attributes, "llmobs.tenant", req["tenant"])
-            if req["loss_count"]:
-                set_attribute(attributes, "llmobs.request.mean_loss", req["loss_sum"] / req["loss_count"])
-            if self.ids.mode == "prompt":  # in random mode exporting it would undo the unlinking
-                set_attribute(attributes, "llmobs.prompt_hash", trace_hex)
-        return request
+    # -- request spans ---------------------------------------------------------------------------------
+
+    def _request_span(self, req: Mapping[str, object]) -> Span:
+        pid, trace_hex = req["pid"], req["trace_id"]
+        offset = self.wall_offset_ns
+        span = Span()
+        span.trace_id = self.ids.trace_id(pid, trace_hex)
+        span.span_id = self.ids.request_span_id(pid, trace_hex)
+        model = req["model_id"] or "unknown"
+        span.name = f"{self.operation} {model}"
+        span.kind = Span.SPAN_KIND_INTERNAL
+        span.start_time_unix_nano = req["t_start_ns"] + offset
+        span.end_time_unix_nano = max(req["t_end_ns"], req["t_start_ns"]) + offset
+        attributes = span.attributes
+        set_attribute(attributes, "gen_ai.operation.name", self.operation)
+        set_attribute(attributes, "gen_ai.request.model", req["model_id"])
+        set_attribute(attributes, "gen_ai.response.model", req["model_id"])
+        set_attribute(attributes, "gen_ai.conversation.id", req["session"])
+        set_attribute(attributes, "gen_ai.usage.output_tokens", req["tokens"])
+        set_attribute(attributes, "llmobs.tenant", req["tenant"])
+        if req["loss_count"]:
+            set_attribute(attributes, "llmobs.request.mean_loss", req["loss_sum"] / req["loss_count"])
+        if self.ids.mode == "prompt":  # in random mode exporting it would undo the unlinking
+            set_attribute(attributes, "llmobs.prompt_hash", trace_hex)
+        return span
 
 
 def evidence_summary(evidence: str | None) -> str | None:
@@ -324,5 +627,7 @@ def evidence_summary(evidence: str | None) -> str | None:
         return None
 
 
-def span_count(request: ExportTraceServiceRequest) -> int:
+def span_count(request: ExportTraceServiceRequest | EncodedTraces) -> int:
+    if isinstance(request, EncodedTraces):
+        return request.spans
     return sum(len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans)

@@ -18,10 +18,13 @@ import bisect
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
-from llmobs.otlp.encoder import SCOPE_NAME, SCOPE_VERSION, SpanIds, key_values
+from llmobs.otlp import genai_metrics
+from llmobs.otlp.encoder import DEFAULT_OPERATION, SCOPE_NAME, SCOPE_VERSION, SpanIds, key_values
+from llmobs.otlp.served import served_span_id
 from llmobs.otlp.source import StepBatch
 
 # Bucket boundaries: the GenAI conventions' advice for time per output token; powers of 4 for counts.
@@ -116,6 +119,7 @@ class MetricsAggregator:
         # the agent's own telemetry (llmobs.governor.telemetry.agent_metrics), replaced whole each time
         self.agent_points: list = []
         self.agent_dirty = False
+        self.tenants = genai_metrics.TenantCap()  # llmobs.tenant values of the served-request histograms
 
     def set_agent_metrics(self, points: list) -> None:
         """llmobs.agent.* points (gauges, cumulative sums) sent with the next metrics request."""
@@ -134,57 +138,120 @@ class MetricsAggregator:
 
     def observe(self, batch: StepBatch, exported=None) -> None:
         """Count every step of `batch`; exemplars only point at spans `exported(trace_id_hex)` accepts
-        (all when None): with 1/N trace sampling the metrics stay exact and the links resolve."""
-        first_span: dict[tuple[int, int], Exemplar] = {}
-        for step in batch.steps:
-            pid, trace_hex = step["pid"], step["trace_id"]
-            linked = exported is None or exported(trace_hex)
-            trace_id = self.ids.trace_id(pid, trace_hex)
-            span_id = self.ids.step_span_id(pid, trace_hex, step["step_seq"], step["batch_row"])
-            time_ns = step["t_end_ns"] + self.offset
-            model = step["model_id"] or ""
-            tenant = step["tenant"] or ""
-            by_model: Attrs = (("gen_ai.request.model", model),)
-            latency_s = (step["latency_ns"] or (step["t_end_ns"] - step["t_start_ns"])) / 1e9
-            self._hist("gen_ai.server.time_per_output_token", by_model, TIME_PER_TOKEN_BOUNDS).record(
-                latency_s, Exemplar(latency_s, time_ns, trace_id, span_id) if linked else None
-            )
-            loss = step["loss"]
-            if loss is not None and loss == loss:
-                self._hist("llmobs.token.loss", by_model, LOSS_BOUNDS).record(
-                    float(loss), Exemplar(float(loss), time_ns, trace_id, span_id) if linked else None
+        (all when None): with 1/N trace sampling the metrics stay exact and the links resolve.
+
+        Per series, the values are bucketed in bulk (numpy) and added in row order; each bucket's
+        exemplar is its last linked step, the one a row-by-row loop would have left there."""
+        steps = batch.step_table
+        n = steps.num_rows
+        if n:
+            pids = steps.column("pid").to_pylist()
+            traces = steps.column("trace_id").to_pylist()
+            seqs = steps.column("step_seq").to_pylist()
+            rows = steps.column("batch_row").to_pylist()
+            models = [m or "" for m in steps.column("model_id").to_pylist()]
+            tenants = [t or "" for t in steps.column("tenant").to_pylist()]
+            if exported is None:
+                linked = np.ones(n, dtype=bool)
+            else:
+                decided: dict[str, bool] = {}
+                linked = np.array(
+                    [
+                        decided[t] if t in decided else decided.setdefault(t, bool(exported(t)))
+                        for t in traces
+                    ],
+                    dtype=bool,
                 )
-            tokens = self._sum("llmobs.tokens", (("gen_ai.request.model", model), ("llmobs.tenant", tenant)))
-            tokens.value += 1
-            if linked:
-                tokens.exemplar = Exemplar(1.0, time_ns, trace_id, span_id)
-                first_span.setdefault((pid, step["step_seq"]), Exemplar(0.0, time_ns, trace_id, span_id))
-        # A forward pass's rows may straddle two batches; its per-pass values are counted by the batch
-        # holding its first row (batch_row 0), so a pass is counted once.
-        owned = {(s["pid"], s["step_seq"]) for s in batch.steps if s["batch_row"] == 0}
+            t_start = steps.column("t_start_ns").to_numpy().astype(np.int64)
+            t_end = steps.column("t_end_ns").to_numpy().astype(np.int64)
+            time_ns = t_end + self.offset
+            latency = steps.column("latency_ns").fill_null(0).to_numpy().astype(np.int64)
+            latency_s = np.where(latency != 0, latency, t_end - t_start) / 1e9
+            loss = np.asarray(steps.column("loss").fill_null(np.nan), dtype=np.float64)
+
+            def exemplar(index: int, value: float) -> Exemplar:
+                trace_hex = traces[index]
+                return Exemplar(
+                    value,
+                    int(time_ns[index]),
+                    self.ids.trace_id(pids[index], trace_hex),
+                    self.ids.step_span_id(pids[index], trace_hex, seqs[index], rows[index]),
+                )
+
+            # a served request's (request_seq) time per output token is its request's, from request_events
+            served = (
+                steps.column("request_seq").fill_null(0).to_numpy() != 0
+                if "request_seq" in steps.column_names
+                else np.zeros(n, dtype=bool)
+            )
+            for model, where in _groups(models).items():
+                by_model: Attrs = (("gen_ai.request.model", model),)
+                own = where[~served[where]]
+                if len(own):
+                    point = self._hist("gen_ai.server.time_per_output_token", by_model, TIME_PER_TOKEN_BOUNDS)
+                    _record_many(point, latency_s[own], own, linked, exemplar)
+                has_loss = where[~np.isnan(loss[where])]
+                if len(has_loss):
+                    point = self._hist("llmobs.token.loss", by_model, LOSS_BOUNDS)
+                    _record_many(point, loss[has_loss], has_loss, linked, exemplar)
+            for (model, tenant), where in _groups(list(zip(models, tenants, strict=True))).items():
+                tokens = self._sum(
+                    "llmobs.tokens", (("gen_ai.request.model", model), ("llmobs.tenant", tenant))
+                )
+                tokens.value += len(where)
+                last = where[linked[where]]
+                if len(last):
+                    tokens.exemplar = exemplar(int(last[-1]), 1.0)
+            first_span: dict[tuple[int, int], int] = {}  # the pass's first linked row
+            for index in np.flatnonzero(linked).tolist():
+                first_span.setdefault((pids[index], seqs[index]), index)
+            # A forward pass's rows may straddle two batches; its per-pass values are counted by the batch
+            # holding its first row (batch_row 0), so a pass is counted once.
+            owned = {(pid, seq) for pid, seq, row in zip(pids, seqs, rows, strict=True) if row == 0}
+        else:
+            first_span, owned = {}, set()
+            exemplar = None
         for key, rollup in batch.rollups.items():
             if key not in owned:
                 continue
-            ex = first_span.get(key)
+            index = first_span.get(key)
             for column, name in (
                 ("launches", "llmobs.step.launches"),
                 ("allocations", "llmobs.step.allocations"),
             ):
                 value = float(rollup[column] or 0)
-                link = Exemplar(value, ex.time_ns, ex.trace_id, ex.span_id) if ex is not None else None
+                link = exemplar(index, value) if index is not None else None
                 self._hist(name, (), COUNT_BOUNDS).record(value, link)
         for row in batch.gpu_time:
             key = (row["pid"], row["step_seq"])
             if key not in owned:
                 continue
-            ex = first_span.get(key)
+            index = first_span.get(key)
             seconds = (row["gpu_ns"] or 0) / 1e9
             point = self._sum("llmobs.gpu.time", (("llmobs.kernel.class", kernel_class(row["name"])),))
             point.value += seconds
-            if ex is not None:
-                point.exemplar = Exemplar(seconds, ex.time_ns, ex.trace_id, ex.span_id)
+            if index is not None:
+                point.exemplar = exemplar(index, seconds)
         self._observe_gpu(batch.gpu_samples)
+        self._observe_served(batch.served, exported)
         self.observed_batches += 1
+
+    def _observe_served(self, rows: list[dict], exported) -> None:
+        """The GenAI server histograms of served requests (llmobs.otlp.genai_metrics), each bucket's
+        exemplar pointing at a request span."""
+        for name, attrs, bounds, value, row in genai_metrics.served_points(
+            rows, DEFAULT_OPERATION, self.tenants
+        ):
+            pid, trace_hex = int(row["pid"]), str(row["trace_id"] or "")
+            link = None
+            if exported is None or exported(trace_hex):
+                link = Exemplar(
+                    value,
+                    int(row["t_end_ns"]) + self.offset,
+                    self.ids.trace_id(pid, trace_hex),
+                    served_span_id(pid, trace_hex, int(row["request_seq"])),
+                )
+            self._hist(name, attrs, bounds).record(value, link)
 
     def _observe_gpu(self, samples: list[dict]) -> None:
         """The newest NVML sample of each (process, GPU) becomes that series' gauge value; samples NVML
@@ -285,6 +352,43 @@ def _encode_agent_points(scope, points: list, start_wall_ns: int, now_wall_ns: i
             dp.as_double = point.value
 
 
+def _groups(keys: list) -> dict:
+    """key -> the row indices holding it (numpy, in row order), keys in order of first appearance."""
+    rows: dict = {}
+    for index, key in enumerate(keys):
+        rows.setdefault(key, []).append(index)
+    return {key: np.array(where, dtype=np.int64) for key, where in rows.items()}
+
+
+def _record_many(point: HistogramPoint, values: np.ndarray, where: np.ndarray, linked, exemplar) -> None:
+    """HistogramPoint.record for many values at once: the same counts, sum (added in row order), min,
+    max and latest exemplar per bucket."""
+    if not len(values):
+        return
+    buckets = np.searchsorted(np.asarray(point.bounds), values, side="left")  # bisect_left: (lower, upper]
+    counts = np.bincount(buckets, minlength=len(point.counts))
+    for index, count in enumerate(counts.tolist()):
+        point.counts[index] += count
+    point.total = sum(values.tolist(), point.total)
+    point.count += len(values)
+    point.low = min(point.low, float(values.min()))
+    point.high = max(point.high, float(values.max()))
+    chosen = np.flatnonzero(linked[where])
+    if not len(chosen):
+        return
+    linked_buckets = buckets[chosen]
+    present, first = np.unique(linked_buckets, return_index=True)
+    last = len(linked_buckets) - 1 - np.unique(linked_buckets[::-1], return_index=True)[1]
+    # buckets in the order a row-by-row loop first gave them an exemplar (the dict's order), each with
+    # its last linked value
+    for bucket, row in sorted(
+        zip(present.tolist(), last.tolist(), strict=True),
+        key=lambda bl: first[np.searchsorted(present, bl[0])],
+    ):
+        index = int(chosen[row])
+        point.exemplars[bucket] = exemplar(int(where[index]), float(values[index]))
+
+
 def _add_exemplar(target, ex: Exemplar) -> None:
     target.time_unix_nano = ex.time_ns
     target.as_double = ex.value
@@ -293,6 +397,7 @@ def _add_exemplar(target, ex: Exemplar) -> None:
 
 
 _DESCRIPTIONS = {
+    **genai_metrics.DESCRIPTIONS,
     "gen_ai.server.time_per_output_token": ("s", "Time per generated token (decode latency of its step)"),
     "llmobs.token.loss": ("1", "Per-token cross-entropy loss (nats) where the target is known"),
     "llmobs.step.launches": ("{launch}", "GPU kernel launches per forward pass"),

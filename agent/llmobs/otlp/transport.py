@@ -21,7 +21,7 @@ import grpc
 import requests
 from google.protobuf.message import Message
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 
 from llmobs.otlp.config import OtlpConfig
 
@@ -93,7 +93,13 @@ class GrpcTransport(Transport):
             self.channel = grpc.secure_channel(target, credentials, options=options, compression=compression)
         else:
             self.channel = grpc.insecure_channel(target, options=options, compression=compression)
-        self._traces = trace_service_pb2_grpc.TraceServiceStub(self.channel)
+        # Not the generated stub's Export: its serializer takes only the message class, and the encoder
+        # hands an already-serialised request (encoder.EncodedTraces); both have SerializeToString.
+        self._export_traces = self.channel.unary_unary(
+            "/opentelemetry.proto.collector.trace.v1.TraceService/Export",
+            request_serializer=_serialize,
+            response_deserializer=trace_service_pb2.ExportTraceServiceResponse.FromString,
+        )
         self._metrics = metrics_service_pb2_grpc.MetricsServiceStub(self.channel)
 
     def _call(self, method, request: Message, rejected_field: str) -> SendResult:
@@ -113,13 +119,17 @@ class GrpcTransport(Transport):
         return SendResult(ok=True, rejected=rejected, error=partial.error_message or None)
 
     def send_traces(self, request):
-        return self._call(self._traces.Export, request, "rejected_spans")
+        return self._call(self._export_traces, request, "rejected_spans")
 
     def send_metrics(self, request):
         return self._call(self._metrics.Export, request, "rejected_data_points")
 
     def close(self) -> None:
         self.channel.close()
+
+
+def _serialize(request) -> bytes:
+    return request.SerializeToString()
 
 
 def _grpc_retry_delay(exc: grpc.RpcError) -> float | None:

@@ -34,16 +34,35 @@ from llmobs.pipeline.correlate import CorrelateStats, correlate
 from llmobs.pipeline.live import LiveStats, remove_snapshot, snapshot_path, write_snapshot
 from llmobs.pipeline.sources import AggregateSource, ShmSource
 from llmobs.procfs import ProcFS
+from llmobs.stagecpu import STAGES
 from llmobs.store.ingest import EventDecoder
-from llmobs.store.sink import DuckDBStore, agent_memory_limit
+from llmobs.store.sink import AGENT_THREADS, DuckDBStore, agent_memory_limit
 from llmobs.store.writer import StoreWriter
 
 CORRELATE_EVERY_S = 2.0
+# A correlate run costs a fixed ~20-40 ms of SQL however few steps it rolls up: every 2 s that alone
+# was 1-2% of a core at a slowly stepping target. The next run waits until the last one's CPU is at
+# most this share of a core (so correlation runs less often when it is dear, never more than
+# CORRELATE_MAX_S apart); each stretched interval is counted (`correlate_stretched`).
+CORRELATE_CPU_SHARE = 0.004
+CORRELATE_MAX_S = 15.0
 # Events and exact totals of a step reach the store up to ~2 s after the step (the session harvests
 # finished steps once a second, the writer commits at most 1 s later): an incremental correlate
 # re-rolls the steps that started this long before its previous run, so late arrivals are counted.
 LATE_NS = 5_000_000_000
 SLOW_PERIOD_S = 1.0  # aggregate deltas, the live snapshot and the process row are refreshed this often
+# The map is read (and what it and the ring brought handed on: store, live stats, detectors, training)
+# at most this often, not on every drain: each hand-off costs a fixed few hundred us (to_arrow, numpy
+# setup of the detectors, the writer's wake-up), which at a slowly stepping target was the agent's
+# whole cost. With the runtime's 50 ms drain it falls on every other drain, so a step waits <= 100 ms
+# before it is scored (the < 200 ms spike-to-row target, docs/diagnostics.md), and the map's ring
+# (32,768 steps by default) is read before it laps up to ~300k steps/s.
+MAP_PERIOD_S = 0.08
+# ... or as soon as the ring has brought this many events (a bounded hold: 64 B each, 8 MiB at most).
+HOLD_EVENTS = 131_072
+# Served requests' events (ends, prefill chunks) are read this often (~0.7 ms a read, even empty): the
+# map's ring of 1,024 holds 4,096 a second of them, far above a server's request rate.
+REQUEST_EVENTS_PERIOD_S = 0.25
 CLOSE_TIMEOUT_S = 30.0
 
 
@@ -151,6 +170,14 @@ class Pipeline:
         self._unrolled_since: int | None = None  # start of the oldest window a failed correlate left
         self._last_rolled_ns: int | None = None  # when the last successful incremental correlate began
         self._next_slow = 0.0
+        self._next_map = 0.0  # the first poll reads the map at once
+        self._next_requests = 0.0
+        self._held: list[np.ndarray] = []  # ring batches held until the next map read (MAP_PERIOD_S)
+        self._held_events = 0
+        self._fresh = False  # rows were submitted since the last correlate began
+        self._arrived = threading.Event()  # set with _fresh: wakes a correlate thread that found nothing
+        self.correlate_idle = 0  # correlate runs skipped: nothing new was submitted (an idle target)
+        self.correlate_stretched = 0  # runs put off past correlate_every_s because they cost too much
         self._closed = False
         self._snapshot = snapshot_path(pid) if snapshot is True else (snapshot or None)
         self._snapshot_ok = self._snapshot is not None
@@ -174,7 +201,8 @@ class Pipeline:
     @classmethod
     def open(cls, db: str | Path, pid: int, **options) -> Pipeline:
         """A pipeline owning a DuckDBStore it opens at `db` (closed by `close`), its DuckDB memory capped."""
-        return cls(DuckDBStore(db, memory_limit=agent_memory_limit()), pid, owns_store=True, **options)
+        store = DuckDBStore(db, memory_limit=agent_memory_limit(), threads=AGENT_THREADS)
+        return cls(store, pid, owns_store=True, **options)
 
     # ---- running ----------------------------------------------------------------------------------
     def _process_row(self) -> dict:
@@ -190,18 +218,47 @@ class Pipeline:
         return {"start_ns": start_ns, "columns": columns}
 
     def _fan_out(self, item) -> None:
+        self._fresh = True  # something new for the next correlate
+        if not self._arrived.is_set():
+            self._arrived.set()
         self.sinks.submit(item)  # never raises: a failing sink is counted by name
 
+    def _hand_held(self) -> None:
+        """The ring batches held since the last map read, to the sinks as one batch."""
+        if self._held:
+            held = self._held[0] if len(self._held) == 1 else np.concatenate(self._held)
+            self._held, self._held_events = [], 0
+            self._fan_out(held)
+
     def poll(self, events: np.ndarray | None = None) -> int:
-        """Hand one drained ring batch (may be empty) and whatever the map has; returns steps read."""
+        """Take one drained ring batch (may be empty); at most every MAP_PERIOD_S (or once HOLD_EVENTS
+        are held) hand what was held on and read the map. Returns the steps read."""
+        began = STAGES.now()
         if events is not None and len(events):
-            self._fan_out(events)
-        count = self._add_steps(self.shm.poll())
+            self._held.append(events)
+            self._held_events += len(events)
+        now = time.monotonic()
+        if now < self._next_map and self._held_events < HOLD_EVENTS:
+            STAGES.count("map_reads_deferred")
+            return 0
+        self._next_map = now + MAP_PERIOD_S
+        self._hand_held()
+        began = STAGES.charge("store_submit", began)
+        steps = self.shm.poll()
+        STAGES.charge("map_read", began)
+        count = self._add_steps(steps)
+        began = STAGES.now()
         self._add_layers(self.shm.poll_layers())
+        if now >= self._next_requests:
+            self._next_requests = now + REQUEST_EVENTS_PERIOD_S
+            self._add_request_events(self.shm.poll_request_events())
+        began = STAGES.charge("layers", began)
         if time.monotonic() >= self._next_slow:
             self._next_slow = time.monotonic() + SLOW_PERIOD_S
             self._hand_aggregates()
+            began = STAGES.charge("aggregates", began)
             self._write_snapshot()
+            STAGES.charge("snapshot", began)
         return count
 
     def _add_steps(self, steps: dict | None) -> int:
@@ -213,12 +270,24 @@ class Pipeline:
         with self._since_lock:
             if self._pending_since is None or oldest < self._pending_since:
                 self._pending_since = oldest
+        began = STAGES.now()
         self.live.add_steps(steps)
+        began = STAGES.charge("live_stats", began)
         self._fan_out({"token_steps": steps})
+        began = STAGES.charge("store_submit", began)
         self.training.add_steps(steps)
+        began = STAGES.charge("training", began)
         if self.anomalies is not None:
             self.anomalies.add(steps)
-        return len(steps["step_seq"])
+            STAGES.charge("detectors", began)
+        n = len(steps["step_seq"])
+        STAGES.count("token_steps", n)
+        return n
+
+    def _add_request_events(self, events: dict | None) -> None:
+        if events is not None:  # served requests' ends and prefill chunks (map ABI v3)
+            self.live.add_request_events(events)  # chunks share their passes in top's per-tenant rates
+            self._fan_out({"request_events": events})
 
     def _add_layers(self, layers: dict | None) -> None:
         if layers is not None:
@@ -282,8 +351,24 @@ class Pipeline:
     def _correlate_loop(self, every_s: float) -> None:
         conn = self.store.connection.cursor()  # its own connection: never contends with the writer's lock
         previous: int | None = None
+        quiet = 0  # runs in a row with nothing submitted before them
+        interval = every_s
         try:
-            while not self._stop.wait(every_s):
+            while not self._stop.wait(interval):
+                # An idle target: nothing submitted since the run before the last (that last run saw
+                # whatever the writer committed late, <= 1 s) and no failed window to retry: the same
+                # SQL would roll up the same rows again. Skipped, counted, and the thread sleeps until
+                # rows arrive (no wake-ups of an idle agent); the final correlate at close covers
+                # everything anyway.
+                self._arrived.clear()  # before _fresh is read: a submit in between sets it again
+                quiet = 0 if self._fresh else quiet + 1
+                self._fresh = False
+                if quiet >= 2 and previous is not None and self._unrolled_since is None:
+                    self.correlate_idle += 1
+                    STAGES.count("correlate_skipped_idle")
+                    self._arrived.wait()  # set by the next submit, or by close
+                    interval = every_s
+                    continue
                 since = self._take_since(previous)
                 with self._since_lock:  # a failed run's window is retried from its start
                     if self._unrolled_since is not None:
@@ -292,21 +377,35 @@ class Pipeline:
                 # No writer.flush() here: with a source submitting every 20 ms the writer is never
                 # idle, so a flush would wait forever. Committed data is at most 1 s old, and the next
                 # run re-rolls the last LATE_NS, so what lands late is counted then.
+                began = run_began = STAGES.now()
                 try:
                     correlate(conn, since_ns=since, pid=self.pid)
                     self.correlate_runs += 1
                     with self._since_lock:
                         self._unrolled_since, self._last_rolled_ns = None, previous
+                    began = STAGES.charge("correlate", began)
                     if self.anomalies is not None:  # anomalies of steps rolled up now get their evidence
                         self.anomalies.refresh_evidence(conn, self.pid, since)
+                        STAGES.charge("evidence", began)
                 except Exception as exc:  # counted; retried by the next run and by the final one at close
                     self.correlate_errors += 1
                     self.last_error = f"correlate: {str(exc).splitlines()[0]}"
                     with self._since_lock:
                         if self._unrolled_since is None or since < self._unrolled_since:
                             self._unrolled_since = since
+                interval = self._next_interval(every_s, (STAGES.now() - run_began) / 1e9)
         finally:
             conn.close()
+
+    def _next_interval(self, every_s: float, run_cpu_s: float) -> float:
+        """The wait before the next run: `every_s`, stretched so that runs cost at most
+        CORRELATE_CPU_SHARE of a core (visibly: counted), never beyond CORRELATE_MAX_S."""
+        wanted = run_cpu_s / CORRELATE_CPU_SHARE
+        if wanted <= every_s:
+            return every_s
+        STAGES.count("correlate_stretched")
+        self.correlate_stretched += 1
+        return min(wanted, max(CORRELATE_MAX_S, every_s))
 
     def _final_since(self, session_since: int) -> int:
         """Where the last correlate at close starts: only what the incremental runs may not have rolled
@@ -333,15 +432,18 @@ class Pipeline:
             raise RuntimeError("pipeline closed twice")
         self._closed = True
         if events is not None and len(events):
-            self._fan_out(events)
+            self._held.append(events)
+        self._hand_held()
         # The map's last steps (the reader's fd outlives the unlink of an exited process's map), looked
         # for even if no poll ran yet: a Ctrl-C right after attaching must not lose what the map holds.
         self._add_steps(self.shm.drain())
         self._add_layers(self.shm.drain_layers())
+        self._add_request_events(self.shm.poll_request_events(refresh=True))
         self.training.close(CLOSE_TIMEOUT_S)  # the last step scored, pending heatmaps done (bounded)
         if self.bpf is not None and final is not None:
             self._hand_aggregates(self.bpf.final(final))
         self._stop.set()
+        self._arrived.set()  # a correlate thread asleep until rows arrive wakes, sees the stop, ends
         self._correlator.join(CLOSE_TIMEOUT_S)
         closed = self.sinks.close(CLOSE_TIMEOUT_S)
         if self.sinks.last_error or not closed:

@@ -7,8 +7,10 @@ Join keys, in order of trust:
    the time window [t_start_ns, t_end_ns) of the same pid's forward pass they fall in (if two passes
    of one pid overlap, the one that started last).
 
-A forward pass (pid, step_seq) may produce several token steps (one per batch row); its rollup is
-shared by those rows. Counts come from the exact kernel aggregates (probe_aggregates) when the pass has
+A forward pass (pid, step_seq) may produce several token steps (one per batch row), and in a served pass
+prefill chunks without a token too; its rollup's totals are shared out to those rows by their tokens in
+pass_shares (llmobs.pipeline.apportion), in the same transaction. Counts come from the exact kernel
+aggregates (probe_aggregates) when the pass has
 any, else from the (possibly 1/N sampled) events; `counts_exact` says which. The joins run as SQL in
 DuckDB: the agent calls `correlate()` after each batch or periodically with `since_ns` set to the
 oldest step whose events may still arrive.
@@ -19,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import duckdb
+
+from llmobs.pipeline.apportion import share_passes
+from llmobs.store.views import REQUEST_KEY
 
 # How much earlier than its pass's t_start_ns an event of that pass may be stamped: the tag is bumped
 # just before t_start_ns is read, so the skew is tiny; 1 s is a generous bound that still lets an
@@ -37,10 +42,15 @@ _EVENTS = f"""
 
 _ROLLUP_SQL = f"""
 WITH passes AS (
-    SELECT pid, step_seq, count(*) AS tokens, min(t_start_ns) AS t_start_ns, max(t_end_ns) AS t_end_ns,
-           max(latency_ns) AS decode_latency_ns
-    FROM token_steps
-    WHERE step_seq <> 0 AND t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)
+    SELECT pid, step_seq, count(*) FILTER (is_token) AS tokens, min(t_start_ns) AS t_start_ns,
+           max(t_end_ns) AS t_end_ns, max(latency_ns) AS decode_latency_ns
+    FROM (
+        SELECT pid, step_seq, t_start_ns, t_end_ns, latency_ns, true AS is_token FROM token_steps
+        WHERE step_seq <> 0 AND t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)
+        UNION ALL  -- a pass of prefill chunks only (a served long prompt) has no token step: still a pass
+        SELECT pid, step_seq, t_start_ns, t_end_ns, NULL, false FROM request_events
+        WHERE kind = 'chunk' AND step_seq <> 0 AND t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)
+    )
     GROUP BY pid, step_seq
 ),
 events AS ({_EVENTS}),
@@ -108,20 +118,25 @@ LEFT JOIN gpu g USING (pid, step_seq)
 LEFT JOIN exact_passes x USING (pid, step_seq)
 """
 
-# Requests are derived from their token steps: one row per (pid, trace_id, first_step_seq), refreshed
-# for the requests that have steps in the window just correlated. A request's tokens come from
-# consecutive forward passes, so step_seq - step is the same for all of them: the pass of its first
-# token (a request preempted for some passes would show up as two).
-_REQUEST_KEY = "step_seq - coalesce(step, 0)"
+# Requests are derived from their token steps: one row per (pid, trace_id, first_step_seq, request_seq),
+# refreshed for the requests that have steps in the window just correlated. A served request (request_seq
+# <> 0: continuous batching) is its request_seq: it skips passes, so step_seq - step varies; its
+# first_step_seq is its first stored token's pass. Otherwise (generate()) a request's tokens come from
+# consecutive passes, so step_seq - step is the same for all of them: the pass of its first token.
+_FIRST_STEP_SEQ = (
+    "CASE WHEN coalesce(request_seq, 0) <> 0 THEN step_seq ELSE step_seq - coalesce(step, 0) END"
+)
 _REQUESTS_SQL = f"""
-INSERT OR REPLACE INTO requests
-SELECT pid, trace_id, {_REQUEST_KEY} AS first_step_seq, any_value(tenant), any_value(session),
-       any_value(model_id), min(t_start_ns), max(t_end_ns), count(*), avg(loss) FILTER (NOT isnan(loss))
+INSERT OR REPLACE INTO requests (pid, trace_id, first_step_seq, tenant, session, model_id, t_start_ns,
+    t_end_ns, tokens, mean_loss, request_seq)
+SELECT pid, trace_id, min({_FIRST_STEP_SEQ}), any_value(tenant), any_value(session), any_value(model_id),
+       min(t_start_ns), max(t_end_ns), count(*), avg(loss) FILTER (NOT isnan(loss)),
+       any_value(coalesce(request_seq, 0))
 FROM token_steps
-WHERE (pid, trace_id, {_REQUEST_KEY}) IN (
-    SELECT DISTINCT pid, trace_id, {_REQUEST_KEY} FROM token_steps
+WHERE (pid, trace_id, {REQUEST_KEY}) IN (
+    SELECT DISTINCT pid, trace_id, {REQUEST_KEY} FROM token_steps
     WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid))
-GROUP BY ALL
+GROUP BY pid, trace_id, {REQUEST_KEY}
 """
 
 
@@ -163,8 +178,15 @@ def correlate(
         conn.execute(
             "DELETE FROM step_rollups WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)", params
         )
+        if not passes_now:  # a window of prefill chunks only is still passes to roll up and share
+            passes_now = conn.execute(
+                "SELECT count(*) FROM request_events WHERE kind = 'chunk' AND step_seq <> 0"
+                " AND t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)",
+                params,
+            ).fetchall()[0][0]
         if passes_now:
             conn.execute(f"INSERT OR REPLACE INTO step_rollups {_ROLLUP_SQL}", params)
+        share_passes(conn, params, any_passes=bool(passes_now))  # pass_shares of the same passes
         requests = conn.execute(_REQUESTS_SQL, params).fetchall()[0][0] if steps else 0
         passes, tagged, windowed = conn.execute(
             "SELECT count(*), coalesce(sum(tagged_events), 0), coalesce(sum(windowed_events), 0)"

@@ -27,6 +27,7 @@ DEFAULT_RUN_DIR = Path("/run/llmobs")
 WINDOW_S = 10.0  # tokens/s and latency percentiles are over the last WINDOW_S seconds
 RECENT_STEPS = 64  # an idle process still shows the latency of its last steps
 WORK_STEPS = 256  # per-step work is averaged over the last WORK_STEPS finished steps
+MAX_PASSES = 20_000  # forward passes kept for the per-tenant rates (a 10 s window at 2,000 passes/s)
 STALE_AFTER_S = 5.0  # a snapshot not rewritten for this long belongs to a stuck or killed agent
 WORK_CLASSES = ("launch", "alloc", "free", "compute", "offcpu", "fault", "memcpy")
 
@@ -59,6 +60,11 @@ class LiveStats:
         self.agent: dict | None = None
         # gpu_index -> (ts_ns, SM utilisation %, device memory bytes) of this pid's newest NVML sample
         self._gpu: dict[int, tuple[int, int | None, int | None]] = {}
+        # per-tenant rates: (t_end_ns, tenant) of recent token steps, and step_seq -> [t_end_ns,
+        # duration_ns, [(tenant, tokens)]] of recent forward passes, whose duration `row` shares out by
+        # tokens with the store's rule (llmobs.pipeline.apportion)
+        self._tenant_steps: deque[tuple[int, str]] = deque(maxlen=100_000)
+        self._passes: dict[int, list] = {}
 
     def add_steps(self, columns: dict) -> None:
         n = len(columns["step_seq"])
@@ -84,6 +90,68 @@ class LiveStats:
         if columns["model_id"]:
             self.model_id = columns["model_id"][-1] or self.model_id
         self.tenants.update(t for t in columns["tenant"] if t)
+        ends = np.asarray(columns["t_end_ns"]).tolist()
+        tokens = columns.get("tokens_in_pass")
+        tokens = [0] * n if tokens is None else np.asarray(tokens).tolist()
+        tenants = [t or "" for t in columns["tenant"]]
+        self._tenant_steps.extend(zip(ends, tenants, strict=True))
+        for seq, start, end, tenant, k in zip(
+            np.asarray(columns["step_seq"]).tolist(), starts.tolist(), ends, tenants, tokens, strict=True
+        ):
+            self._add_pass_row(seq, start, end, tenant, k)
+
+    def add_request_events(self, columns: dict) -> None:
+        """request_events columns (llmobs.shm.reader.REQUEST_EVENT_COLUMNS): a prefill chunk is a row of
+        its pass with no token step, and takes its share of the pass."""
+        for kind, pid, seq, start, end, tenant, k in zip(
+            columns["kind"], np.asarray(columns["pid"]).tolist(), np.asarray(columns["step_seq"]).tolist(),
+            np.asarray(columns["t_start_ns"]).tolist(), np.asarray(columns["t_end_ns"]).tolist(),
+            columns["tenant"], np.asarray(columns["prefill_tokens"]).tolist(), strict=True,
+        ):  # fmt: skip
+            if kind == "chunk" and pid == self.pid and seq:
+                self._add_pass_row(seq, start, end, tenant or "", k)
+
+    def _add_pass_row(self, seq: int, start: int, end: int, tenant: str, tokens: int) -> None:
+        if not seq:
+            return
+        slot = self._passes.get(seq)
+        if slot is None:
+            slot = self._passes[seq] = [end, 0, [], start]
+            if len(self._passes) > 4 * MAX_PASSES:  # bounded: keep the newest passes
+                for old in sorted(self._passes)[: len(self._passes) - MAX_PASSES]:
+                    del self._passes[old]
+        slot[0], slot[3] = max(slot[0], end), min(slot[3], start)
+        slot[1] = slot[0] - slot[3]
+        slot[2].append((tenant, int(tokens)))
+
+    def _tenant_rates(self, since_ns: int, span_s: float) -> list[dict]:
+        """Per tenant over the window: tokens/s (token steps) and compute-s/s (each pass's duration
+        shared by its rows' tokens; a row of unknown tokens weighs the pass's mean known row)."""
+        tokens: dict[str, int] = {}
+        for end, tenant in self._tenant_steps:
+            if end >= since_ns:
+                tokens[tenant] = tokens.get(tenant, 0) + 1
+        compute: dict[str, float] = {}
+        for end, duration, rows, _start in self._passes.values():
+            if end < since_ns or not rows:
+                continue
+            known = [k for _, k in rows if k > 0]
+            fill = max(round(sum(known) / len(known)), 1) if known else 1
+            weights = [(t, k if k > 0 else fill) for t, k in rows]
+            total = sum(w for _, w in weights)
+            for tenant, w in weights:
+                compute[tenant] = compute.get(tenant, 0.0) + duration * w / total
+        all_compute = sum(compute.values())
+        rates = [
+            {
+                "tenant": tenant,
+                "tokens_per_s": tokens.get(tenant, 0) / span_s,
+                "compute_s_per_s": compute.get(tenant, 0.0) / 1e9 / span_s,
+                "compute_share": compute.get(tenant, 0.0) / all_compute if all_compute else None,
+            }
+            for tenant in set(tokens) | set(compute)
+        ]
+        return sorted(rates, key=lambda r: (-r["compute_s_per_s"], -r["tokens_per_s"], r["tenant"]))
 
     def add_gpu_samples(self, columns: dict) -> None:
         """gpu_samples columns (llmobs.gpu.nvml_source) of this pid: the newest sample per GPU is kept."""
@@ -156,6 +224,7 @@ class LiveStats:
             "mean_loss": float(losses.mean()) if len(losses) else None,
             "per_step": per_step,
             "work_steps": len(steps),
+            "by_tenant": self._tenant_rates(since, span_s),
             **self._gpu_row(since),
             **({"agent": self.agent} if self.agent is not None else {}),
         }

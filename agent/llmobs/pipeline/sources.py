@@ -48,6 +48,7 @@ class ShmSource:
         self.reader: ShmReader | None = None
         self.cursor = 0
         self.layers_cursor = 0
+        self.requests_cursor = 0  # v3 request-events ring
         self.layer_rows = 0  # layer-stream records returned
         self._modules: set[tuple[int, int, str]] = set()  # layer-stream module names already returned
         self._names_seen = 0  # names of the reader already looked at for module names
@@ -122,7 +123,7 @@ class ShmSource:
         except MalformedMap as exc:  # the writer restarted (head behind our cursor) or the map broke
             self.error = str(exc)
             self.reader.close()
-            self.reader, self.cursor, self.layers_cursor = None, 0, 0
+            self.reader, self.cursor, self.layers_cursor, self.requests_cursor = None, 0, 0, 0
             return None
         if self.advertise and batch.next_cursor != self.cursor:
             self.reader.advertise_tail(batch.next_cursor)  # what lets the workload remove its map at exit
@@ -202,6 +203,21 @@ class ShmSource:
             "ts_ns": np.full(len(fresh), clock.monotonic_ns(), np.int64),
         }
 
+    def poll_request_events(self, refresh: bool = False) -> dict | None:
+        """v3 request events (llmobs.shm.reader.REQUEST_EVENT_COLUMNS: served requests' ends, prefill
+        chunks) published since the last call; call after poll(), whose header refresh it reuses."""
+        if self.reader is None:
+            return None
+        try:
+            batch = self.reader.read_request_events(self.requests_cursor, refresh=refresh)
+        except MalformedMap as exc:
+            self.error = str(exc)
+            return None
+        self.requests_cursor = batch.next_cursor
+        self.lost += batch.lost
+        self.corrupt += batch.corrupt
+        return batch.columns if len(batch) else None
+
     def drain_layers(self) -> dict | None:
         """Every layer record still unread (for close)."""
         parts = []
@@ -246,31 +262,31 @@ class AggregateSource:
 
     def __init__(self, session):
         self.session = session
-        self._handed: dict[tuple[int, int, int], list[int]] = {}
+        session.totals.track_new = True  # each harvest's deltas are kept for poll(): O(new), not O(all)
         self.rows = 0  # delta rows returned
 
     def poll(self) -> dict | None:
         """{"probe_aggregates": the totals harvested since the last poll} (None when nothing moved)."""
-        return self._batch(self.session.totals.merged(_EMPTY_KEYS, _EMPTY_VALUES))
+        return self._batch(self.session.totals.take_new())
 
     def final(self, final: dict) -> dict | None:
-        """The rest at detach: the session's final totals (live steps included) not handed yet."""
-        return self._batch(final.get("totals", {}))
+        """The rest at detach: what was harvested since the last poll, and the final totals' part that
+        was never harvested (the live steps), i.e. final minus harvested."""
+        totals = self.session.totals
+        delta = totals.take_new()
+        for key, value in final.get("totals", {}).items():
+            harvested = totals.harvested(key)
+            rest = list(value) if harvested is None else [value[i] - harvested[i] for i in range(3)]
+            if any(rest):
+                slot = delta.setdefault(key, [0, 0, 0])
+                for i in range(3):
+                    slot[i] += rest[i]
+        return self._batch(delta)
 
     def stats(self) -> dict[str, int]:
         return {"aggregate_rows": self.rows}
 
-    def _batch(self, totals: dict[tuple[int, int, int], list[int]]) -> dict | None:
-        delta = {}
-        for key, value in totals.items():
-            handed = self._handed.get(key)
-            if handed is None:
-                delta[key] = list(value)
-            elif handed != value:
-                delta[key] = [value[i] - handed[i] for i in range(3)]
-            else:
-                continue
-            self._handed[key] = list(value)
+    def _batch(self, delta: dict[tuple[int, int, int], list[int]]) -> dict | None:
         if not delta:
             return None
         self.rows += len(delta)

@@ -3,6 +3,8 @@ public names here lazily, so `import llmobs` alone loads neither torch nor numpy
 
 request.py      llmobs.request / llmobs.context: one request's token steps into the shared-memory map
 hf.py           llmobs.instrument: the Hugging Face integration (generate() and forward(labels=...) hooks)
+serving.py      continuous batching, engine-neutral: mixed passes of many requests, request-end records
+hf_serving.py   its transformers adapter (ContinuousBatchingManager; llmobs.serving.instrument_manager)
 device_math.py  the per-token metrics computed on the model's device (loss, entropy, p(target), rank)
 training.py     training mode: the dL/dE device ring and its dump on the agent's command
 layer_base.py   the shared base of the layer streams; attention.py and layers.py build on it

@@ -39,7 +39,12 @@ class _Generation:
     def finish(self, chosen) -> None:
         if self.pending is not None:
             logits, self.pending = self.pending, None
-            self.req.step(logits, chosen.reshape(-1), all_valid=True, flags=layout.FLAG_GENERATE)
+            req = self.req
+            # the first forward processes each row's prompt, every later one the token chosen before
+            first = req.step_index == 0
+            req.step(logits, chosen.reshape(-1), all_valid=True,
+                     flags=layout.FLAG_GENERATE | (layout.FLAG_PREFILL if first else 0),
+                     tokens_in_pass=req.prompt_lens if first else 1)  # fmt: skip
 
 
 def _kv_len(kwargs) -> int:
@@ -105,6 +110,11 @@ class Instrumented:
         self._orig_generate = model.__dict__.get("generate")
         if hasattr(model, "generate"):
             model.generate = self._wrap_generate(model.generate)
+        # continuous batching (generate_batch, `transformers serve`): every manager the model hands out
+        # publishes its requests' token steps (llmobs.publisher.hf_serving)
+        self._orig_init_cb = model.__dict__.get("init_continuous_batching")
+        if hasattr(model, "init_continuous_batching"):
+            model.init_continuous_batching = self._wrap_init_cb(model.init_continuous_batching)
         model._llmobs_instrumented = self
 
     def remove(self) -> None:
@@ -118,6 +128,10 @@ class Instrumented:
             self.model.__dict__.pop("generate", None)
         else:
             self.model.generate = self._orig_generate
+        if self._orig_init_cb is None:
+            self.model.__dict__.pop("init_continuous_batching", None)
+        else:
+            self.model.init_continuous_batching = self._orig_init_cb
         self.model.__dict__.pop("_llmobs_instrumented", None)
 
     def request_model_id(self) -> str:
@@ -170,6 +184,20 @@ class Instrumented:
             if self._measure:
                 self.cpu_ns += time.thread_time_ns() - t0
             return out
+
+        return wrapped
+
+    def _wrap_init_cb(self, init_cb):
+        @functools.wraps(init_cb)
+        def wrapped(*args, **kwargs):
+            manager = init_cb(*args, **kwargs)
+            try:
+                from llmobs.publisher.hf_serving import instrument_manager
+
+                instrument_manager(manager, model_id=self.request_model_id())
+            except Exception as exc:  # the engine runs on uninstrumented
+                publisher._count_error(exc)
+            return manager
 
         return wrapped
 
@@ -253,6 +281,7 @@ class Instrumented:
             tenant_hash=tenant_h, session_hash=session_h, model_hash=model_h, step=steps,
             position=steps + 1, batch_row=np.repeat(np.arange(b, dtype=np.int64), t - 1),
             kv_len=np.full(n, -1, np.int64), flags=layout.FLAG_TEACHER_FORCED | layout.FLAG_HAS_TARGET,
+            tokens_in_pass=1,  # one record per target position: each is one token of the pass
         )  # fmt: skip
         w.clear_context()
 

@@ -20,6 +20,7 @@ import warnings
 
 import numpy as np
 
+from llmobs.publisher import traceparent as w3c
 from llmobs.shm import layout
 from llmobs.shm.hashing import trace_id, trace_words
 from llmobs.shm.writer import get_writer
@@ -27,6 +28,10 @@ from llmobs.shm.writer import get_writer
 _tenant: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmobs_tenant", default=None)
 _session: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmobs_session", default=None)
 _active: contextvars.ContextVar[Request | None] = contextvars.ContextVar("llmobs_request", default=None)
+# The caller's W3C trace context (parsed): requests started under it join the caller's trace.
+_traceparent: contextvars.ContextVar[w3c.TraceParent | None] = contextvars.ContextVar(
+    "llmobs_traceparent", default=None
+)
 errors = 0  # steps skipped because publishing failed (the workload went on)
 _warned = False
 
@@ -40,13 +45,23 @@ def _count_error(exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def context(tenant: str | None = None, session: str | None = None):
-    """Set the tenant and session for requests started inside this block (this thread/task only)."""
+def context(tenant: str | None = None, session: str | None = None, traceparent: str | None = None):
+    """Set the tenant and session for requests started inside this block (this thread/task only).
+
+    `traceparent`: the caller's W3C traceparent; requests started inside carry the caller's trace id and
+    their llmobs request span becomes a child of the caller's span. A malformed one is ignored (the
+    requests keep their prompt-hash trace id), counted in llmobs.publisher.traceparent.malformed and
+    warned about once; it never raises."""
     t1 = _tenant.set(tenant) if tenant is not None else None
     t2 = _session.set(session) if session is not None else None
+    t3 = None
+    if traceparent is not None:
+        t3 = _traceparent.set(w3c.parse(traceparent))  # malformed: None, i.e. no caller trace in here
     try:
         yield
     finally:
+        if t3 is not None:
+            _traceparent.reset(t3)
         if t2 is not None:
             _session.reset(t2)
         if t1 is not None:
@@ -71,10 +86,15 @@ def prompt_rows(input_ids, attention_mask=None) -> list[np.ndarray]:
 class Request:
     """One request (a batch of prompts): its trace ids and the running step index."""
 
-    def __init__(self, input_ids, *, tenant=None, session=None, model_id=None, attention_mask=None):
+    def __init__(self, input_ids, *, tenant=None, session=None, model_id=None, attention_mask=None,
+                 traceparent: str | None = None):  # fmt: skip
         self.writer = get_writer()
         rows = prompt_rows(input_ids, attention_mask)
         words = [trace_words(trace_id(r)) for r in rows]
+        caller = w3c.parse(traceparent) if traceparent is not None else _traceparent.get()
+        self.request_seqs = np.zeros(len(rows), dtype=np.int64)  # 0: no request record (no caller)
+        if caller is not None:
+            words = self._join_caller(caller, words)
         self.trace_ids = [f"{hi:016x}{lo:016x}" for hi, lo in words]
         self.trace_hi = np.array([w[0] for w in words], dtype=np.uint64)
         self.trace_lo = np.array([w[1] for w in words], dtype=np.uint64)
@@ -90,6 +110,8 @@ class Request:
         self.session_hash = w.name(layout.NAME_SESSION, self.session)
         self.model_hash = w.name(layout.NAME_MODEL, model_id)
         self.step_index = 0
+        self._t_arrival = time.monotonic_ns()
+        self._t_first_step = self._t_first_token = self._t_last_token = 0
         self._step_seq = 0  # set by begin_step, cleared by step
         self._t_start = 0
         self._kv_len = -1
@@ -100,19 +122,49 @@ class Request:
         self._token = _active.set(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         if self._token is not None:
             _active.reset(self._token)
             self._token = None
-        self.end()
+        self.end(failed=exc_type is not None)
 
-    def end(self) -> None:
+    def end(self, failed: bool = False) -> None:
         """The request is over: the context cell goes back to "untracked", and on a GPU the request's
-        last steps are committed (one wait per request, never per step)."""
+        last steps are committed (one wait per request, never per step). A request in its caller's
+        trace also gets its request-end record per row (what its request span is made from)."""
         with contextlib.suppress(Exception):
             self.writer.clear_context()
             if self.writer._pending or self.writer._pending_layers:
                 self.writer.poll_pending(wait=True)
+        if self.request_seqs.any():
+            try:
+                self._publish_ends(layout.FINISH_ERROR if failed else layout.FINISH_UNKNOWN)
+            except Exception as exc:
+                _count_error(exc)
+            self.request_seqs[:] = 0  # once
+
+    def _join_caller(self, caller: w3c.TraceParent, words: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Every row joins the caller's trace; each row is a request of its own (request_seq) whose
+        NAME_TRACE_CONTEXT record keeps the parent span and the row's prompt hash."""
+        w = self.writer
+        for i, (hi, lo) in enumerate(words):
+            seq = w.next_request_seq()
+            self.request_seqs[i] = seq
+            w.name_trace_context(seq, f"{caller.text()} {hi:016x}{lo:016x}")
+        return [(caller.trace_hi, caller.trace_lo)] * len(words)
+
+    def _publish_ends(self, reason: int) -> None:
+        now = time.monotonic_ns()
+        for i, seq in enumerate(self.request_seqs.tolist()):
+            self.writer.publish_request_event(
+                kind=layout.REQUEST_END, request_seq=seq, trace_hi=self._hi_list[i],
+                trace_lo=self._lo_list[i], tenant_hash=self.tenant_hash, session_hash=self.session_hash,
+                model_hash=self.model_hash,
+                t_start=self._t_arrival, t_scheduled=self._t_first_step, t_first_token=self._t_first_token,
+                t_last_token=self._t_last_token, t_end=now, prompt_tokens=int(self.prompt_lens[i]),
+                prefill_tokens=int(self.prompt_lens[i]), decoded_tokens=self.step_index,
+                finish_reason=reason,
+            )  # fmt: skip
 
     # --- steps -------------------------------------------------------------------------------------
     @property
@@ -122,16 +174,25 @@ class Request:
     def begin_step(self, kv_len: int = -1) -> int:
         """Call before the forward pass of a token step: stamps the context cell with a new step_seq."""
         self._t_start = time.monotonic_ns()
+        self._t_first_step = self._t_first_step or self._t_start
         self._kv_len = kv_len
         self._step_seq = self.writer.begin_step(self._hi_list[0], self._lo_list[0], self.tenant_hash,
                                                 self.session_hash)  # fmt: skip
         return self._step_seq
 
     def step(
-        self, logits, target_ids=None, *, token_ids=None, all_valid: bool = False, flags: int = 0
+        self,
+        logits,
+        target_ids=None,
+        *,
+        token_ids=None,
+        all_valid: bool = False,
+        flags: int = 0,
+        tokens_in_pass=0,
     ) -> None:
         """Publish one token step: logits [B, V] (or [V], or [B, 1, V], or device_math.prepare(logits))
-        and the targets [B] if known."""
+        and the targets [B] if known. `tokens_in_pass`: the tokens each row processed in this forward
+        pass (an int or one per row; 0 = unknown), the weights its compute is shared by."""
         try:
             from llmobs.publisher.device_math import Prepared, device_block
 
@@ -151,17 +212,24 @@ class Request:
                 flags |= layout.FLAG_HAS_TARGET
             n = block.shape[0]
             w = self.writer
+            seqs = self.request_seqs
             if n == self.batch:
                 hi, lo, rows, plen = self._hi_list, self._lo_list, self.batch_rows, self.prompt_lens
             else:  # logits rows that are not the request's rows: attribute them all to row 0
                 hi, lo = [self._hi_list[0]] * n, [self._lo_list[0]] * n
                 rows, plen = np.arange(n), np.full(n, self.prompt_lens[0])
+                seqs = np.full(n, seqs[0])
+                if np.ndim(tokens_in_pass):
+                    tokens_in_pass = 0
             w.publish_steps(
                 block, step_seq=self._step_seq, t_start=self._t_start, t_end=time.monotonic_ns(),
                 trace_hi=hi, trace_lo=lo, tenant_hash=self.tenant_hash, session_hash=self.session_hash,
                 model_hash=self.model_hash, step=self.step_index, position=plen + self.step_index,
-                batch_row=rows, kv_len=self._kv_len, flags=flags,
+                batch_row=rows, kv_len=self._kv_len, flags=flags, tokens_in_pass=tokens_in_pass,
+                request_seq=seqs if seqs.any() else 0,
             )  # fmt: skip
+            self._t_last_token = time.monotonic_ns()
+            self._t_first_token = self._t_first_token or self._t_last_token
         except Exception as exc:  # never break the workload
             _count_error(exc)
         finally:
@@ -180,8 +248,14 @@ def _as_tensor(values, like):
 
 
 def request(input_ids, *, tenant: str | None = None, session: str | None = None, model_id: str | None = None,
-            attention_mask=None) -> Request:  # fmt: skip
-    """Start a request: `with llmobs.request(input_ids, tenant="a", session="s1") as req: ...`."""
+            attention_mask=None, traceparent: str | None = None) -> Request:  # fmt: skip
+    """Start a request: `with llmobs.request(input_ids, tenant="a", session="s1") as req: ...`.
+    `traceparent` (else the one of llmobs.context): the request's rows join the caller's trace."""
     return Request(
-        input_ids, tenant=tenant, session=session, model_id=model_id, attention_mask=attention_mask
+        input_ids,
+        tenant=tenant,
+        session=session,
+        model_id=model_id,
+        attention_mask=attention_mask,
+        traceparent=traceparent,
     )

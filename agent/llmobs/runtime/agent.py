@@ -22,17 +22,35 @@ import numpy as np
 
 from llmobs.bpf.records import EVENT_DTYPE
 from llmobs.dataflow import CompositeSink, Sink
+from llmobs.stagecpu import STAGES
 
-# The ring is submitted without wake-ups; it is drained every 20 ms while events flow fast, and every
-# 50 ms while a drain brings less than 1% of the ring: fewer wake-ups of the agent, which on a busy host
-# take a core from the workload. Not longer: a loss spike's anomaly row must be stored < 200 ms after
-# the spike even at p99 (docs/diagnostics.md), and a sparse ring is exactly when the spike's step may
-# wait a whole period (measured: bench/drain_idle, docs/daemon.md).
-DRAIN_PERIOD_S = (0.02, 0.05)
+# The ring is submitted without wake-ups; it is drained every DRAIN_PERIOD_S[0] (20 ms) while events
+# flow fast (a drain brought >= 1% of the ring), and while it is sparse as rarely as the ring allows:
+# every ring_records / MAX_EVENTS_PER_S seconds, the time the fastest probes take to fill an empty ring
+# (a burst that starts just after a sparse drain cannot overflow it before the next), never more than
+# DRAIN_PERIOD_S[1]. Each drain costs a fixed ~0.3-0.4 ms (the ring read, the session's harvest, the
+# pipeline's checks): at a slowly stepping target 20 drains a second were ~8 ms of CPU a second
+# (bench/step_cost). The default 16 MiB ring (233,016 records) gives 97 ms. The loss-anomaly rows'
+# latency does not grow with it: the map's steps are read at most every MAP_PERIOD_S (80 ms) anyway,
+# which at the former 50 ms sparse drain fell on every other drain (~100 ms); now on every drain. The
+# spike-to-row target (< 200 ms at p99, docs/diagnostics.md) is measured by bench/anomaly_latency.
+DRAIN_PERIOD_S = (0.02, 0.1)
+# The event rate the sparse period is sized for: the ingest target of issue 14 (the decoder's 2.4 M
+# events/s on one core); the probes of a real workload stay far below it.
+MAX_EVENTS_PER_S = 2_400_000
 SLOW_TICK_S = 1.0  # target exits, the governor, the self-telemetry and NVML run once a second
 CLOSE_TIMEOUT_S = 30.0
 
 _NO_EVENTS = np.empty(0, dtype=EVENT_DTYPE)
+
+
+def sparse_period(ring_records: int) -> float:
+    """The drain period of a sparse ring of `ring_records` events: the time MAX_EVENTS_PER_S take to fill
+    it, within DRAIN_PERIOD_S (busy .. longest)."""
+    busy, longest = DRAIN_PERIOD_S
+    if ring_records <= 0:  # nothing to drain yet (a daemon with no target): the longest wait
+        return longest
+    return min(max(ring_records / MAX_EVENTS_PER_S, busy), longest)
 
 
 @dataclass
@@ -62,6 +80,8 @@ class Detached:
     final: dict
     summary: object | None  # llmobs.pipeline.PipelineSummary
     reason: str
+    # the governor's last state of the target (estimate, mean, shed probes), taken before it forgot it
+    governor_state: dict | None = None
 
 
 @dataclass
@@ -137,6 +157,8 @@ class Agent:
         self._closed = False
         self._start_overhead_hooks(budget)
         self.nvml = self._start_nvml() if nvml else None
+        self.stage_cpu: dict | None = None  # the CPU account by stage while attached, taken at close
+        STAGES.mark()  # the account starts with the runtime: attach's compile and start-up are not in it
 
     # ---- the governor, the self-telemetry and NVML: bookkeeping, never in the data path's way --------
     def _start_overhead_hooks(self, budget: float | None) -> None:
@@ -240,7 +262,9 @@ class Agent:
         """Detaches pid's probes, hands its sinks and pipeline the last events and the exact final totals,
         commits and correlates its data. The other targets keep running."""
         target = self.targets.pop(pid)
-        if self.governor is not None:
+        governor_state = None
+        if self.governor is not None:  # its state read first: untrack forgets it (the detach summary)
+            governor_state = self.guard("governor", self.governor.target_state, pid)
             self.guard("governor", self.governor.untrack, target.session)
         events, final = target.session.close()  # detach first: nothing of pid enters the ring after this
         if target.shared:  # the shared ring may still hold pid's last events, and the others'
@@ -269,7 +293,7 @@ class Agent:
                 self.guard("telemetry", self.telemetry.untrack_pipeline, target.pipeline)
         if self.nvml is not None:
             self.guard("nvml", self.nvml.untrack, pid)
-        detached = Detached(target, events, final, summary, reason)
+        detached = Detached(target, events, final, summary, reason, governor_state)
         if self.on_detach is not None:
             self.on_detach(detached)
         return detached
@@ -283,14 +307,25 @@ class Agent:
         records = [t.session.ring_records for t in self.targets.values()]
         return max(min(records) // 100, 1) if records else 1
 
+    @property
+    def ring_capacity(self) -> int:
+        """Events the smallest ring drained here holds (0: no ring yet)."""
+        if self.ring is not None:
+            return self.ring_records
+        return min((t.session.ring_records for t in self.targets.values()), default=0)
+
     def period(self, drained: int) -> float:
-        return DRAIN_PERIOD_S[drained < self.busy_events]
+        """The wait before the next drain: short while events flow, else the sparse period."""
+        if drained >= self.busy_events:
+            return DRAIN_PERIOD_S[0]
+        return sparse_period(self.ring_capacity)
 
     def poll(self) -> int:
         """Drains once: every target's events to its sinks and pipeline, its map's steps into the
         store; once a second the slow tick. Returns the number of events drained."""
         drained = 0
         routed: dict[int, np.ndarray] = {}
+        began = STAGES.now()
         if self.ring is not None:
             events = self.ring.drain()
             drained += len(events)
@@ -301,7 +336,9 @@ class Agent:
             else:
                 mine = target.session.poll()
                 drained += len(mine)
+            STAGES.charge("ring_drain", began)  # the session's poll: the ring, its harvest of totals
             self._hand(target, mine)
+            began = STAGES.now()
         now = time.monotonic()
         if now >= self._next_slow:
             self._next_slow = now + SLOW_TICK_S
@@ -311,7 +348,9 @@ class Agent:
     def _hand(self, target: Target, events: np.ndarray) -> None:
         target.events += len(events)
         if len(events):
+            began = STAGES.now()
             target.sinks.submit(events)
+            STAGES.charge("event_sinks", began)
         if target.pipeline is not None:
             target.pipeline.poll(events)
 
@@ -331,14 +370,18 @@ class Agent:
         for pid, target in list(self.targets.items()):
             if not target.session.target_alive():
                 self.remove(pid, "target exited")
+        began = STAGES.now()
         if self.governor is not None:
             self.guard("governor", self.governor.tick, now)
+            began = STAGES.charge("governor", began)
         if self.telemetry is not None:
             self.last_sample = self.guard("telemetry", self.telemetry.sample)
         if self.last_sample is not None:
             self._publish_sample(self.last_sample)
+        began = STAGES.charge("telemetry", began)
         if self.nvml is not None and any(t.pipeline is not None for t in self.targets.values()):
             self.guard("nvml", self._poll_nvml)  # samples go to a store: none without one
+            STAGES.charge("nvml", began)
 
     def _publish_sample(self, sample: dict) -> None:
         """The agent's own numbers to `top` (each target's snapshot) and to OTLP (llmobs.agent.*)."""
@@ -385,6 +428,7 @@ class Agent:
         if self._closed:
             return []
         self._closed = True
+        self.stage_cpu = STAGES.snapshot()  # the steady state, before the detach's final work
         detached = [self.remove(pid, reason) for pid in list(self.targets)]
         if self.exporter is not None:
             self.exporter_counters = self.guard("otlp", self.exporter.finish)

@@ -1,7 +1,11 @@
-"""The one definition of the shared-memory map layout (ABI v2): structs, offsets and constants.
+"""The one definition of the shared-memory map layout (ABI v3): structs, offsets and constants.
 
 Everything else is generated from this module: the numpy dtypes the writer and reader use, and the C
 header bpf/c/llmobs_abi.h (llmobs.shm.cheader). Change a field here, bump ABI_VERSION, regenerate.
+
+A field added in version N says so (`since=N`); it took the place of reserved words, so the layout of
+every older version still supported is derived from this one definition (`layout_for(version)`): the
+reader accepts READ_VERSIONS and decodes an older map's new fields as their defaults (zero).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-ABI_VERSION = 2  # v2: the layer-stream ring (per-layer metrics such as attention entropy)
+ABI_VERSION = 3  # v3: mixed-batch rows (tokens_in_pass, request_seq), the request-events ring
+READ_VERSIONS = (2, 3)  # versions a reader accepts (v2: the layer-stream ring, per-layer metrics)
 MAGIC = int.from_bytes(b"LLMOBSMP", "little")  # the first 8 bytes of every map file read "LLMOBSMP"
 CLOCK_MONOTONIC = 1  # clock id of every *_ns field (Linux CLOCK_MONOTONIC == bpf_ktime_get_ns())
 FILE_PREFIX = "llmobs."  # the map of pid N is /dev/shm/llmobs.N
@@ -30,12 +35,36 @@ NAME_TENANT = 1
 NAME_SESSION = 2
 NAME_MODEL = 3
 NAME_OTHER = 4
+NAME_REQUEST = 5  # v3: the engine's request id; the record's `hash` word is the request_seq, not a hash
+# v3: request `hash` (a request_seq) carries its caller's trace id: text "<traceparent> <prompt hash>", the
+# W3C version-00 traceparent it arrived with (its parent span id and flags) and the 32-hex prompt-hash
+# trace id it would have had (kept as an attribute so identical prompts still group)
+NAME_TRACE_CONTEXT = 6
+NAME_KIND_MAX = NAME_TRACE_CONTEXT
 
 # step record flags
 FLAG_HAS_TARGET = 1 << 0  # target_id, loss, target_prob and target_rank are meaningful
 FLAG_GENERATE = 1 << 1  # decoded by generate(): the target is the token that was chosen
 FLAG_TEACHER_FORCED = 1 << 2  # a forward pass with labels: the target is the label
 FLAG_DEVICE_CUDA = 1 << 3  # the metrics were computed on a CUDA device and copied asynchronously
+FLAG_PREFILL = 1 << 4  # v3: this pass also processed the prompt (the request's first token, or a chunk)
+
+# context-cell flags (v3, ctx.flags)
+CTX_MIXED = 1 << 0  # the pass carries rows of more than one request: trace id 0, see its token steps
+CTX_TENANTS_MIXED = 1 << 1  # ... of more than one tenant (tenant_hash 0) or session (session_hash 0)
+
+# request-event record kinds (v3 request-events ring)
+REQUEST_END = 1  # a request finished, failed or was cancelled: its per-request figures
+REQUEST_CHUNK = 2  # a prefill chunk that produced no token: a row of its pass that is no token step
+
+# request-end finish reasons
+FINISH_UNKNOWN = 0
+FINISH_STOP = 1  # an end-of-sequence token
+FINISH_LENGTH = 2  # max_new_tokens reached
+FINISH_CANCELLED = 3
+FINISH_ERROR = 4
+FINISH_REASONS = {FINISH_UNKNOWN: "", FINISH_STOP: "stop", FINISH_LENGTH: "length",
+                  FINISH_CANCELLED: "cancelled", FINISH_ERROR: "error"}  # fmt: skip
 
 # layer-stream record kinds (the metric a record carries); values below LAYER_KIND_MAX are accepted
 LAYER_ATTENTION_ENTROPY = 1  # Shannon entropy (nats) of the newest query's attention probabilities
@@ -69,6 +98,7 @@ class Field:
     type: str
     doc: str
     count: int = 1  # > 1 makes an array
+    since: int = 1  # the ABI version that added it (in older versions: reserved words)
 
     @property
     def size(self) -> int:
@@ -84,6 +114,7 @@ class Struct:
     fields: list[Field]
     size: int
     offsets: dict[str, int] = field(default_factory=dict)
+    since: int = 1  # the ABI version that added the struct
 
     def __post_init__(self) -> None:
         pos = 0
@@ -146,7 +177,11 @@ HEADER = Struct(
         Field("layer_record_size", "u32", "v2: sizeof(struct llmobs_layer_record)"),
         Field("layers_head", "u64", "v2: positions ever claimed in the layer-stream ring"),
         Field("layers_dropped", "u64", "v2: layer records the writer could not publish"),
-        Field("reserved", "u64", "zero", count=4),
+        Field("requests_offset", "u64", "v3: offset of the request-events ring", since=3),
+        Field("requests_capacity", "u32", "v3: records in the request-events ring (a power of two)", since=3),
+        Field("request_record_size", "u32", "v3: sizeof(struct llmobs_request_record)", since=3),
+        Field("requests_head", "u64", "v3: positions ever claimed in the request-events ring", since=3),
+        Field("requests_dropped", "u64", "v3: request events the writer could not publish", since=3),
     ],
     256,
 )
@@ -162,7 +197,10 @@ CTX_CELL = Struct(
         Field("step_seq", "u64", "process-global token-step sequence number, 0 = no step yet"),
         Field("tenant_hash", "u64", "name hash of the tenant, 0 = none"),
         Field("session_hash", "u64", "name hash of the session, 0 = none"),
-        Field("reserved", "u64", "zero", count=2),
+        Field("rows", "u32", "v3: rows (requests' sequences) in this pass, 0 = not told", since=3),
+        Field("flags", "u32", "v3: LLMOBS_CTX_*", since=3),
+        Field("tokens", "u32", "v3: tokens this pass processes (sum over its rows), 0 = not told", since=3),
+        Field("reserved", "u32", "zero"),
     ],
     64,
 )
@@ -228,7 +266,13 @@ STEP_RECORD = Struct(
         Field("token_id", "i32", "the token at this position (decoded, label, or arg-max)"),
         Field("target_id", "i32", "the target token, -1 = unknown"),
         Field("flags", "u32", "LLMOBS_FLAG_*"),
-        Field("reserved", "u64", "zero"),
+        Field(
+            "tokens_in_pass",
+            "u32",
+            "v3: tokens this row processed in the pass (1 decode), 0 = unknown",
+            since=3,
+        ),
+        Field("request_seq", "u32", "v3: the process's number of the row's request, 0 = none", since=3),
     ],
     128,
 )
@@ -271,7 +315,37 @@ LAYER_RECORD = Struct(
     64,
 )
 
-STRUCTS = [HEADER, CTX_CELL, CONTROL, NAME_RECORD, STEP_RECORD, CUPTI_RECORD, LAYER_RECORD]
+REQUEST_RECORD = Struct(
+    "llmobs_request_record",
+    "A request-events record (v3): the end of a served request with its figures (kind END), or a\n"
+    "prefill chunk that produced no token (kind CHUNK: a row of pass step_seq that is no token step).",
+    [
+        Field("seq", "u64", "2*pos+1 while written, 2*pos+2 once committed"),
+        Field("step_seq", "u64", "END: the pass of its last token (0 = none); CHUNK: its pass"),
+        Field("trace_id_hi", "u64", "trace id bytes 0..7 (big-endian) of the request"),
+        Field("trace_id_lo", "u64", "trace id bytes 8..15"),
+        Field("tenant_hash", "u64", "name hash, 0 = none"),
+        Field("session_hash", "u64", "name hash, 0 = none"),
+        Field("model_hash", "u64", "name hash, 0 = none"),
+        Field("t_start_ns", "u64", "END: arrival (added by the client); CHUNK: pass start"),
+        Field("t_scheduled_ns", "u64", "END: first scheduled into a pass, 0 = never; CHUNK: pass start"),
+        Field("t_first_token_ns", "u64", "END: first token known, 0 = none"),
+        Field("t_last_token_ns", "u64", "END: last token known, 0 = none"),
+        Field("t_end_ns", "u64", "END: finished, failed or cancelled; CHUNK: pass end"),
+        Field("request_seq", "u32", "the process's number of the request (names ring: its engine id)"),
+        Field("kind", "u32", "LLMOBS_REQUEST_*"),
+        Field("prompt_tokens", "u32", "tokens of the prompt"),
+        Field("prefill_tokens", "u32", "END: prompt tokens computed (not reused); CHUNK: this chunk's"),
+        Field("decoded_tokens", "u32", "END: tokens generated (token steps); CHUNK: 0"),
+        Field("kv_blocks", "u32", "END: KV-cache blocks the request held at its end; CHUNK: 0"),
+        Field("prefix_hit_tokens", "u32", "END: prompt tokens whose KV came from shared (prefix) blocks"),
+        Field("finish_reason", "u32", "END: LLMOBS_FINISH_*; CHUNK: first position the chunk processed"),
+    ],
+    128,
+    since=3,
+)
+
+STRUCTS = [HEADER, CTX_CELL, CONTROL, NAME_RECORD, STEP_RECORD, CUPTI_RECORD, LAYER_RECORD, REQUEST_RECORD]
 
 CTX_OFFSET = 256
 CONTROL_OFFSET = CTX_OFFSET + CTX_CELL.size
@@ -283,6 +357,7 @@ DEFAULT_NAMES_CAPACITY = 1024
 DEFAULT_STEPS_CAPACITY = 32768
 DEFAULT_CUPTI_CAPACITY = 4096
 DEFAULT_LAYERS_CAPACITY = 4096
+DEFAULT_REQUESTS_CAPACITY = 1024
 
 
 @dataclass(frozen=True)
@@ -294,33 +369,62 @@ class Regions:
     cupti_offset: int
     layers_offset: int
     layout_size: int
+    requests_offset: int = 0  # v3
 
 
-def regions(names_capacity: int, steps_capacity: int, cupti_capacity: int, layers_capacity: int) -> Regions:
+def regions(names_capacity: int, steps_capacity: int, cupti_capacity: int, layers_capacity: int,
+            requests_capacity: int = 0) -> Regions:  # fmt: skip
+    """Ring offsets for a set of capacities. requests_capacity 0: a v2 map (no request-events ring)."""
     names_offset = NAMES_OFFSET
     steps_offset = names_offset + names_capacity * NAME_RECORD.size
     cupti_offset = steps_offset + steps_capacity * STEP_RECORD.size
     layers_offset = cupti_offset + cupti_capacity * CUPTI_RECORD.size
-    end = layers_offset + layers_capacity * LAYER_RECORD.size
+    requests_offset = layers_offset + layers_capacity * LAYER_RECORD.size
+    end = requests_offset + requests_capacity * REQUEST_RECORD.size
     page = 4096
-    return Regions(names_offset, steps_offset, cupti_offset, layers_offset, (end + page - 1) // page * page)
+    return Regions(names_offset, steps_offset, cupti_offset, layers_offset, (end + page - 1) // page * page,
+                   requests_offset if requests_capacity else 0)  # fmt: skip
 
 
 def is_valid_capacity(n: int) -> bool:
     return 1 <= n <= MAX_CAPACITY and n & (n - 1) == 0
 
 
-def _layout_hash() -> int:
+def _as_of(s: Struct, version: int) -> Struct:
+    """`s` as it was in `version`: each run of fields added later (with the reserved word after it)
+    is the reserved u64 words it took the place of."""
+    fields: list[Field] = []
+    run = 0  # bytes of a run of later fields not yet turned back into reserved words
+    for f in s.fields:
+        if f.since > version or (run and f.name == "reserved"):
+            run += f.size
+            continue
+        if run:
+            fields.append(Field("reserved", "u64", "zero", count=run // 8))
+            run = 0
+        fields.append(f)
+    if run:
+        fields.append(Field("reserved", "u64", "zero", count=run // 8))
+    return Struct(s.c_name, s.doc, fields, s.size, since=s.since)
+
+
+def layout_for(version: int) -> list[Struct]:
+    """The structs of an ABI version this code reads (a struct added later is absent)."""
+    return [_as_of(s, version) for s in STRUCTS if s.since <= version]
+
+
+def _layout_hash(structs: list[Struct]) -> int:
     text = ";".join(
         f"{s.c_name}:{s.size}:"
         + ",".join(f"{f.name}/{f.type}/{f.count}@{s.offsets[f.name]}" for f in s.fields)
-        for s in STRUCTS
+        for s in structs
     )
     text += f";ctx@{CTX_OFFSET};control@{CONTROL_OFFSET};names@{NAMES_OFFSET}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little")
 
 
-LAYOUT_HASH = _layout_hash()
+LAYOUT_HASH = _layout_hash(STRUCTS)
+LAYOUT_HASHES = {v: _layout_hash(layout_for(v)) for v in READ_VERSIONS}  # version -> its layout hash
 
 # C constants exported with the header (name -> (value, comment)).
 C_CONSTANTS: list[tuple[str, int, str]] = [
@@ -337,10 +441,21 @@ C_CONSTANTS: list[tuple[str, int, str]] = [
     ("LLMOBS_NAME_SESSION", NAME_SESSION, "name record kind"),
     ("LLMOBS_NAME_MODEL", NAME_MODEL, "name record kind"),
     ("LLMOBS_NAME_OTHER", NAME_OTHER, "name record kind"),
+    ("LLMOBS_NAME_REQUEST", NAME_REQUEST, "name record kind: hash is the request_seq"),
+    ("LLMOBS_NAME_TRACE_CONTEXT", NAME_TRACE_CONTEXT, "name record kind: request_seq's caller trace"),
     ("LLMOBS_FLAG_HAS_TARGET", FLAG_HAS_TARGET, "step record flag"),
     ("LLMOBS_FLAG_GENERATE", FLAG_GENERATE, "step record flag"),
     ("LLMOBS_FLAG_TEACHER_FORCED", FLAG_TEACHER_FORCED, "step record flag"),
     ("LLMOBS_FLAG_DEVICE_CUDA", FLAG_DEVICE_CUDA, "step record flag"),
+    ("LLMOBS_FLAG_PREFILL", FLAG_PREFILL, "step record flag: the pass also processed prompt tokens"),
+    ("LLMOBS_CTX_MIXED", CTX_MIXED, "ctx flag: rows of several requests (trace id 0)"),
+    ("LLMOBS_CTX_TENANTS_MIXED", CTX_TENANTS_MIXED, "ctx flag: rows of several tenants or sessions"),
+    ("LLMOBS_REQUEST_END", REQUEST_END, "request-event kind"),
+    ("LLMOBS_REQUEST_CHUNK", REQUEST_CHUNK, "request-event kind"),
+    ("LLMOBS_FINISH_STOP", FINISH_STOP, "request-end finish reason"),
+    ("LLMOBS_FINISH_LENGTH", FINISH_LENGTH, "request-end finish reason"),
+    ("LLMOBS_FINISH_CANCELLED", FINISH_CANCELLED, "request-end finish reason"),
+    ("LLMOBS_FINISH_ERROR", FINISH_ERROR, "request-end finish reason"),
     ("LLMOBS_LAYER_ATTENTION_ENTROPY", LAYER_ATTENTION_ENTROPY, "layer record kind"),
     ("LLMOBS_LAYER_MLP_VARIANCE", LAYER_MLP_VARIANCE, "layer record kind"),
     ("LLMOBS_LAYER_KIND_MAX", LAYER_KIND_MAX, "layer record kinds are below this"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass, field
@@ -24,26 +25,32 @@ from llmobs.shm.hashing import trace_hex
 from llmobs.shm.identity import ProcessIdentity, process_start_ticks
 from llmobs.shm.writer import map_path
 
-_HEADER_NAMES = [f.name for f in layout.HEADER.fields if f.count == 1]
-# the header's scalar fields are packed without holes, so one struct format reads them all
-_HEADER_STRUCT = struct.Struct(
-    "<" + "".join({"u32": "I", "u64": "Q"}[f.type] for f in layout.HEADER.fields[:-1])
-)
-assert _HEADER_STRUCT.size == layout.HEADER.offsets["reserved"]
 _HEADS = slice(layout.HEADER.offsets["names_head"], layout.HEADER.offsets["cupti_head"] + 8)
 _LAYERS_HEAD = slice(layout.HEADER.offsets["layers_head"], layout.HEADER.offsets["layers_head"] + 8)
+_REQUESTS_HEAD = slice(layout.HEADER.offsets["requests_head"], layout.HEADER.offsets["requests_head"] + 8)
 _TICKS_AT = layout.HEADER.offsets["writer_start_ticks"]
 MAX_HEAD = 1 << 62  # a head beyond this cannot come from a real writer (and 2*pos+2 would overflow)
 _KNOWN_FLAGS = (
     layout.FLAG_HAS_TARGET | layout.FLAG_GENERATE | layout.FLAG_TEACHER_FORCED | layout.FLAG_DEVICE_CUDA
-)
+    | layout.FLAG_PREFILL
+)  # fmt: skip
 STEP_COLUMNS = [
     "pid", "step_seq", "trace_id", "step", "position", "token_id", "target_id", "loss", "entropy",
     "target_prob", "target_rank", "top1_prob", "latency_ns", "t_start_ns", "t_end_ns", "batch_row",
-    "tenant", "session", "model_id", "kv_len",
+    "tenant", "session", "model_id", "kv_len", "tokens_in_pass", "request_seq", "request_id",
 ]  # fmt: skip
+# v3 request-events ring, decoded (kind 'end' | 'chunk'; the derived queue/ttft/tpot are NULL-free ints,
+# -1 where the request never reached that point)
+REQUEST_EVENT_COLUMNS = [
+    "pid", "kind", "request_seq", "request_id", "step_seq", "trace_id", "tenant", "session", "model_id",
+    "t_start_ns", "t_scheduled_ns", "t_first_token_ns", "t_last_token_ns", "t_end_ns", "queue_ns", "ttft_ns",
+    "tpot_ns", "prompt_tokens", "prefill_tokens", "decoded_tokens", "kv_blocks", "prefix_hit_tokens",
+    "finish_reason", "position", "trace_from_caller", "parent_span_id", "trace_flags", "prompt_hash",
+]  # fmt: skip
+_REQUEST_KINDS = {layout.REQUEST_END: "end", layout.REQUEST_CHUNK: "chunk"}
 LAYER_COLUMNS = ["pid", "step_seq", "trace_id", "batch_row", "layer", "head", "kind", "value"]
 MAX_LAYER = 1 << 16  # no model has more layers or heads; a larger index is a corrupt record
+MAX_REQUEST_IDS = 1 << 16  # request ids the reader keeps (a request's steps come long before 65k others)
 
 
 class BufferSource:
@@ -104,27 +111,35 @@ def validate_header(raw: bytes, file_size: int) -> dict:
     }  # noqa: E501
     if h["magic"] != layout.MAGIC:
         raise MalformedMap(f"bad magic 0x{h['magic']:016x}: not an llmobs map", hint=NOT_A_MAP_HINT)
-    if h["abi_version"] != layout.ABI_VERSION:
-        raise MalformedMap(
-            f"map has ABI version {h['abi_version']}, this agent reads version {layout.ABI_VERSION}"
-        )
-    if h["layout_hash"] != layout.LAYOUT_HASH or h["header_size"] != layout.HEADER.size:
+    version = h["abi_version"]
+    if version not in layout.READ_VERSIONS:
+        readable = " and ".join(str(v) for v in layout.READ_VERSIONS)
+        raise MalformedMap(f"map has ABI version {version}, this agent reads versions {readable}")
+    if h["layout_hash"] != layout.LAYOUT_HASHES[version] or h["header_size"] != layout.HEADER.size:
         raise MalformedMap("map layout differs from this agent's layout although the ABI version matches")
-    sizes = (
+    v3 = version >= 3  # v2: the request-events words are reserved (zero): no such ring
+    sizes = [
         ("name_record_size", layout.NAME_RECORD.size),
         ("step_record_size", layout.STEP_RECORD.size),
         ("cupti_record_size", layout.CUPTI_RECORD.size),
         ("layer_record_size", layout.LAYER_RECORD.size),
-    )
+        ("request_record_size", layout.REQUEST_RECORD.size if v3 else 0),
+    ]
     for name, expected in sizes:
         if h[name] != expected:
             raise MalformedMap(f"header {name} is {h[name]}, expected {expected}")
-    for name in ("names_capacity", "steps_capacity", "cupti_capacity", "layers_capacity"):
+    capacities = ["names_capacity", "steps_capacity", "cupti_capacity", "layers_capacity"]
+    if v3:
+        capacities.append("requests_capacity")
+    elif h["requests_capacity"] or h["requests_offset"] or h["requests_head"] or h["requests_dropped"]:
+        raise MalformedMap("a version 2 map has non-zero reserved header words")
+    for name in capacities:
         if not layout.is_valid_capacity(h[name]):
             raise MalformedMap(f"header {name} {h[name]} is not a power of two in 1..{layout.MAX_CAPACITY}")
     regions = layout.regions(
-        h["names_capacity"], h["steps_capacity"], h["cupti_capacity"], h["layers_capacity"]
-    )
+        h["names_capacity"], h["steps_capacity"], h["cupti_capacity"], h["layers_capacity"],
+        h["requests_capacity"],
+    )  # fmt: skip
     expected_offsets = {
         "ctx_offset": layout.CTX_OFFSET,
         "control_offset": layout.CONTROL_OFFSET,
@@ -132,6 +147,7 @@ def validate_header(raw: bytes, file_size: int) -> dict:
         "steps_offset": regions.steps_offset,
         "cupti_offset": regions.cupti_offset,
         "layers_offset": regions.layers_offset,
+        "requests_offset": regions.requests_offset,
         "layout_size": regions.layout_size,
     }
     for name, expected in expected_offsets.items():
@@ -143,7 +159,7 @@ def validate_header(raw: bytes, file_size: int) -> dict:
         raise MalformedMap(f"unknown clock id {h['clock_id']} (expected 1 = CLOCK_MONOTONIC)")
     if h["state"] not in (layout.STATE_LIVE, layout.STATE_CLOSED):
         raise MalformedMap(f"unknown map state {h['state']}")
-    for name in ("names_head", "steps_head", "cupti_head", "layers_head"):
+    for name in ("names_head", "steps_head", "cupti_head", "layers_head", "requests_head"):
         if h[name] >= MAX_HEAD:
             raise MalformedMap(f"header {name} {h[name]} is impossibly large")
     return h
@@ -198,6 +214,19 @@ class LayerBatch:
         return len(self.columns["step_seq"])
 
 
+@dataclass
+class RequestBatch:
+    """Decoded request events (REQUEST_EVENT_COLUMNS, v3), plus loss accounting."""
+
+    columns: dict[str, list | np.ndarray]
+    lost: int
+    corrupt: int
+    next_cursor: int
+
+    def __len__(self) -> int:
+        return len(self.columns["kind"])
+
+
 class MapView:
     """A validated map, read through a source (a file or a buffer). The same code serves both."""
 
@@ -208,6 +237,10 @@ class MapView:
             raise MalformedMap(f"map names writer pid {self.header['writer_pid']}, expected {expected_pid}")
         self.names: dict[int, str] = {}
         self.name_kinds: dict[int, int] = {}
+        self.request_ids: dict[int, str] = {}  # v3: request_seq -> the engine's request id
+        # v3: request_seq -> (parent span id hex, trace flags, prompt-hash trace id hex) of a request that
+        # joined its caller's trace (NAME_TRACE_CONTEXT)
+        self.trace_contexts: dict[int, tuple[str, int, str]] = {}
         self._names_cursor = 0
 
     def refresh(self) -> dict:
@@ -216,7 +249,8 @@ class MapView:
         raw = self.source.read(0, layout.HEADER.size)
         for _ in range(8):
             again = self.source.read(0, layout.HEADER.size)
-            if again[_HEADS] == raw[_HEADS] and again[_LAYERS_HEAD] == raw[_LAYERS_HEAD]:
+            if (again[_HEADS] == raw[_HEADS] and again[_LAYERS_HEAD] == raw[_LAYERS_HEAD]
+                    and again[_REQUESTS_HEAD] == raw[_REQUESTS_HEAD]):  # fmt: skip
                 break
             raw = again
         self.header = validate_header(raw, self.source.size)
@@ -236,6 +270,9 @@ class MapView:
                     "step_seq": int(cell["step_seq"]),
                     "tenant_hash": int(cell["tenant_hash"]),
                     "session_hash": int(cell["session_hash"]),
+                    "rows": int(cell["rows"]),  # v3 (zero in a v2 map)
+                    "flags": int(cell["flags"]),
+                    "tokens": int(cell["tokens"]),
                 }
         return None
 
@@ -315,10 +352,25 @@ class MapView:
         corrupt = got.corrupt
         for r in got.records:
             length, kind = int(r["length"]), int(r["kind"])
-            if length > layout.NAME_TEXT_BYTES or not layout.NAME_TENANT <= kind <= layout.NAME_OTHER:
+            if length > layout.NAME_TEXT_BYTES or not layout.NAME_TENANT <= kind <= layout.NAME_KIND_MAX:
                 corrupt += 1
                 continue
-            self.names[int(r["hash"])] = bytes(r["text"][:length]).decode("utf-8", "replace")
+            text = bytes(r["text"][:length]).decode("utf-8", "replace")
+            if kind == layout.NAME_TRACE_CONTEXT:  # keyed by request_seq, like NAME_REQUEST
+                context = _trace_context(text)
+                if context is None:
+                    corrupt += 1
+                    continue
+                if len(self.trace_contexts) >= MAX_REQUEST_IDS:
+                    self.trace_contexts.pop(next(iter(self.trace_contexts)))
+                self.trace_contexts[int(r["hash"])] = context
+                continue
+            if kind == layout.NAME_REQUEST:  # its hash word is the request_seq: a namespace of its own
+                if len(self.request_ids) >= MAX_REQUEST_IDS:
+                    self.request_ids.pop(next(iter(self.request_ids)))  # bounded: the oldest goes
+                self.request_ids[int(r["hash"])] = text
+                continue
+            self.names[int(r["hash"])] = text
             self.name_kinds[int(r["hash"])] = kind
         self._names_cursor = got.next_cursor
         return corrupt
@@ -383,6 +435,9 @@ class MapView:
             "session": names["session"],
             "model_id": names["model_id"],
             "kv_len": recs["kv_len"].astype(np.int32),
+            "tokens_in_pass": recs["tokens_in_pass"].astype(np.int32),  # v3; a v2 record: 0 (unknown)
+            "request_seq": recs["request_seq"].astype(np.int64),  # v3; 0 = none
+            "request_id": [self.request_ids.get(x, "") if x else "" for x in recs["request_seq"].tolist()],
         }
 
     def read_layers(self, cursor: int = 0, limit: int | None = None, refresh: bool = True) -> LayerBatch:
@@ -422,10 +477,103 @@ class MapView:
         }
         return LayerBatch(columns, got.lost, got.corrupt + int((~ok).sum()), got.next_cursor)
 
+    def read_request_events(self, cursor: int = 0, limit: int | None = None,
+                            refresh: bool = True) -> RequestBatch:  # fmt: skip
+        """v3 request-events records (REQUEST_EVENT_COLUMNS) from `cursor` on; a v2 map has none."""
+        if refresh:
+            self.refresh()
+        h = self.header
+        # no ring (a v2 map), or its head did not move since the last read (a target that serves no
+        # requests: the common case): the header said so, nothing else is read (a full read of the
+        # empty ring, the names ring and the decoding setup cost ~0.7 ms). The cursor-ahead-of-head
+        # check (a restarted writer) is _read_ring's, reached as soon as the head moves.
+        if not h["requests_capacity"] or h["requests_head"] == cursor:
+            return RequestBatch({c: [] for c in REQUEST_EVENT_COLUMNS}, 0, 0, cursor)
+        corrupt = self.read_names()  # request ids come through the names ring just before their events
+        got = self._read_ring(layout.REQUEST_RECORD, h["requests_offset"], h["requests_capacity"],
+                              h["requests_head"], cursor, limit)  # fmt: skip
+        recs = got.records
+        times = ("t_start_ns", "t_scheduled_ns", "t_first_token_ns", "t_last_token_ns", "t_end_ns")
+        ok = np.isin(recs["kind"], list(_REQUEST_KINDS)) & (recs["request_seq"] >= 1)
+        for name in times:
+            ok &= recs[name] < np.uint64(1 << 63)
+        end = recs["kind"] == layout.REQUEST_END
+        ok &= ~end | (recs["finish_reason"] <= max(layout.FINISH_REASONS))
+        recs = recs[ok]
+        end = recs["kind"] == layout.REQUEST_END
+        n = len(recs)
+        words = np.empty((n, 2), ">u8")
+        words[:, 0], words[:, 1] = recs["trace_id_hi"], recs["trace_id_lo"]
+        hexes = words.tobytes().hex()
+        t = {name: recs[name].astype(np.int64) for name in times}
+
+        def since(later: np.ndarray, earlier: np.ndarray) -> np.ndarray:  # -1 where either is unknown
+            return np.where((later > 0) & (earlier > 0), later - earlier, -1)
+
+        decoded = recs["decoded_tokens"].astype(np.int64)
+        tpot = np.where(
+            end & (decoded > 1) & (t["t_first_token_ns"] > 0),
+            (t["t_last_token_ns"] - t["t_first_token_ns"]) // np.maximum(decoded - 1, 1),
+            -1,
+        )
+        seqs = recs["request_seq"].tolist()
+        traces = [hexes[32 * i : 32 * i + 32] for i in range(n)]
+        columns = {
+            "pid": np.full(n, h["writer_pid"], np.int64),
+            "kind": [_REQUEST_KINDS[k] for k in recs["kind"].tolist()],
+            "request_seq": recs["request_seq"].astype(np.int64),
+            "request_id": [self.request_ids.get(x, "") for x in seqs],
+            "step_seq": recs["step_seq"].astype(np.int64),
+            "trace_id": traces,
+            "tenant": [self.name(x) for x in recs["tenant_hash"].tolist()],
+            "session": [self.name(x) for x in recs["session_hash"].tolist()],
+            "model_id": [self.name(x) for x in recs["model_hash"].tolist()],
+            **t,
+            "queue_ns": np.where(end, since(t["t_scheduled_ns"], t["t_start_ns"]), -1),
+            "ttft_ns": np.where(end, since(t["t_first_token_ns"], t["t_start_ns"]), -1),
+            "tpot_ns": tpot,
+            "prompt_tokens": recs["prompt_tokens"].astype(np.int32),
+            "prefill_tokens": recs["prefill_tokens"].astype(np.int32),
+            "decoded_tokens": recs["decoded_tokens"].astype(np.int32),
+            "kv_blocks": recs["kv_blocks"].astype(np.int32),
+            "prefix_hit_tokens": recs["prefix_hit_tokens"].astype(np.int32),
+            # the record's last word: END's finish reason, CHUNK's first position
+            "finish_reason": [
+                layout.FINISH_REASONS[r] if e else ""
+                for r, e in zip(recs["finish_reason"].tolist(), end.tolist(), strict=True)
+            ],  # fmt: skip
+            "position": np.where(end, -1, recs["finish_reason"].astype(np.int64)).astype(np.int32),
+            **self._trace_columns(seqs, traces),
+        }
+        return RequestBatch(columns, got.lost, corrupt + got.corrupt + int((~ok).sum()), got.next_cursor)
+
+    def _trace_columns(self, seqs: list[int], traces: list[str]) -> dict[str, list]:
+        """Whether each request's trace id came from its caller (a traceparent), the caller's span id
+        and flags, and its prompt-hash trace id (its own trace id when it kept the default)."""
+        contexts = [self.trace_contexts.get(x) for x in seqs]
+        return {
+            "trace_from_caller": [c is not None for c in contexts],
+            "parent_span_id": [c[0] if c else "" for c in contexts],
+            "trace_flags": [c[1] if c else 0 for c in contexts],
+            "prompt_hash": [c[2] if c else t for c, t in zip(contexts, traces, strict=True)],
+        }
+
     def read_cupti(self, cursor: int = 0) -> RingRead:
         h = self.header
         return self._read_ring(layout.CUPTI_RECORD, h["cupti_offset"], h["cupti_capacity"], h["cupti_head"],
                                cursor, None)  # fmt: skip
+
+
+_TRACE_CONTEXT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2}) ([0-9a-f]{32})")
+
+
+def _trace_context(text: str) -> tuple[str, int, str] | None:
+    """A NAME_TRACE_CONTEXT record's text -> (parent span id, flags, prompt hash); None if corrupt."""
+    match = _TRACE_CONTEXT.fullmatch(text)
+    if match is None:
+        return None
+    _, span, flags, prompt_hash = match.groups()
+    return span, int(flags, 16), prompt_hash
 
 
 def parse_buffer(data: bytes | bytearray | memoryview) -> tuple[MapView, StepBatch]:

@@ -28,8 +28,12 @@ from llmobs.shm.identity import process_start_ticks
 from llmobs.shm.leftover import keep_at_exit
 
 _U64 = struct.Struct("<Q")
-_CELL_BODY = struct.Struct("<QQQQQ")  # trace_id_hi, trace_id_lo, step_seq, tenant_hash, session_hash
-_STEP_BODY = struct.Struct("<QQQQQQQQIIii28sI")  # step_seq .. kv_len, device block, flags (offset 8)
+# trace_id_hi, trace_id_lo, step_seq, tenant_hash, session_hash, v3: rows, flags, tokens (cell offset 8)
+_CELL_BODY = struct.Struct("<QQQQQIII")
+# step_seq .. kv_len, device block, flags, v3: tokens_in_pass, request_seq (offset 8)
+_STEP_BODY = struct.Struct("<QQQQQQQQIIii28sIII")
+# v3 request-events record from offset 8: step_seq .. t_end_ns (11 words), then 8 u32 fields
+_REQUEST_BODY = struct.Struct("<QQQQQQQQQQQIIIIIIII")
 _NAME_HEAD = struct.Struct("<QII")  # hash, kind, length at name record offset 8
 _CONTROL_CMD = struct.Struct("<QIIQ")  # cmd_seq, cmd, cmd_flags, cmd_arg
 _CONTROL_ACK = struct.Struct("<IIQQ")  # ack_status, ack_pid, ack_step_seq, done_step_seq at +32
@@ -72,14 +76,16 @@ class ShmWriter:
         steps_capacity: int = layout.DEFAULT_STEPS_CAPACITY,
         cupti_capacity: int = layout.DEFAULT_CUPTI_CAPACITY,
         layers_capacity: int = layout.DEFAULT_LAYERS_CAPACITY,
+        requests_capacity: int = layout.DEFAULT_REQUESTS_CAPACITY,
         model_id: str | None = None,
     ):
-        for cap in (names_capacity, steps_capacity, cupti_capacity, layers_capacity):
+        for cap in (names_capacity, steps_capacity, cupti_capacity, layers_capacity, requests_capacity):
             if not layout.is_valid_capacity(cap):
                 raise ValueError(f"ring capacity {cap} must be a power of two in 1..{layout.MAX_CAPACITY}")
         self.pid = os.getpid()
         self.path = map_path(self.pid, shm_dir)
-        regions = layout.regions(names_capacity, steps_capacity, cupti_capacity, layers_capacity)
+        regions = layout.regions(names_capacity, steps_capacity, cupti_capacity, layers_capacity,
+                                 requests_capacity)  # fmt: skip
         self.size = regions.layout_size
         # A file with our pid can only be a stale one from a dead process whose pid we now reuse.
         with contextlib.suppress(FileNotFoundError):
@@ -104,6 +110,11 @@ class ShmWriter:
         self.cupti_offset = regions.cupti_offset
         self.layers_offset = regions.layers_offset
         self.layers_capacity = layers_capacity
+        self.requests_offset = regions.requests_offset
+        self.requests_capacity = requests_capacity
+        self.requests_head = 0
+        self.requests_dropped = 0
+        self._request_seq = 0  # the last request_seq handed out (next_request_seq)
         self.names_capacity = names_capacity
         self.steps_capacity = steps_capacity
         self.cupti_capacity = cupti_capacity
@@ -164,6 +175,9 @@ class ShmWriter:
         hdr["layers_offset"] = regions.layers_offset
         hdr["layers_capacity"] = self.layers_capacity
         hdr["layer_record_size"] = layout.LAYER_RECORD.size
+        hdr["requests_offset"] = regions.requests_offset
+        hdr["requests_capacity"] = self.requests_capacity
+        hdr["request_record_size"] = layout.REQUEST_RECORD.size
         raw = hdr.tobytes()
         self.mm[8 : layout.HEADER.size] = raw[8:]
         self.words[0] = layout.MAGIC  # last: a reader never sees a half-written header
@@ -208,6 +222,28 @@ class ShmWriter:
         pos = self._names.get(h)
         if pos is not None and self.names_head - pos < self.names_capacity:
             return h
+        self._publish_name(h, kind, text)
+        return h
+
+    def name_request(self, request_seq: int, request_id: str) -> None:
+        """v3: the engine's id of request `request_seq` (a NAME_REQUEST record: `hash` is request_seq)."""
+        if request_seq and request_id:
+            self._publish_name(request_seq, layout.NAME_REQUEST, request_id)
+
+    def name_trace_context(self, request_seq: int, text: str) -> None:
+        """v3: request `request_seq` joined its caller's trace (a NAME_TRACE_CONTEXT record: `hash` is
+        request_seq; text "<traceparent> <prompt-hash trace id>", docs/shm-abi.md)."""
+        if request_seq and text:
+            self._publish_name(request_seq, layout.NAME_TRACE_CONTEXT, text)
+
+    def next_request_seq(self) -> int:
+        """A process-wide request number (u32, never 0): every publisher of this map draws from one
+        counter, so two engines in one process never give two requests the same request_seq."""
+        with self._lock:
+            self._request_seq = (self._request_seq + 1) & 0xFFFFFFFF or 1
+            return self._request_seq
+
+    def _publish_name(self, h: int, kind: int, text: str) -> None:
         data = text.encode("utf-8")[: layout.NAME_TEXT_BYTES].decode("utf-8", "ignore").encode("utf-8")
         with self._lock:
             pos = self.names_head
@@ -218,19 +254,22 @@ class ShmWriter:
             _NAME_HEAD.pack_into(self.mm, off + 8, h, kind, len(data))
             self.mm[off + 24 : off + 24 + len(data)] = data
             self.words[off >> 3] = 2 * pos + 2
-        self._names[h] = pos
-        return h
+        if kind < layout.NAME_REQUEST:  # request ids and contexts: published once each, never looked up
+            self._names[h] = pos
 
     # --- the current-context cell -------------------------------------------------------------------
-    def begin_step(self, trace_hi: int, trace_lo: int, tenant_hash: int, session_hash: int) -> int:
-        """Start a token step: bump step_seq and publish the context the eBPF probes tag events with."""
+    def begin_step(self, trace_hi: int, trace_lo: int, tenant_hash: int, session_hash: int, rows: int = 0,
+                   flags: int = 0, tokens: int = 0) -> int:  # fmt: skip
+        """Start a token step (one forward pass): bump step_seq and publish the context the eBPF probes tag
+        events with. v3: `rows`, `tokens` and the LLMOBS_CTX_* `flags` of a mixed pass (0 = not told)."""
         words = self.words
         self.step_seq = seq = self.step_seq + 1
         odd = self._cell_seq + 1  # the cell's seqlock: odd while writing, even when stable
         words[_W_CELL] = odd
         _CELL_BODY.pack_into(
-            self.mm, layout.CTX_OFFSET + 8, trace_hi, trace_lo, seq, tenant_hash, session_hash
-        )
+            self.mm, layout.CTX_OFFSET + 8, trace_hi, trace_lo, seq, tenant_hash, session_hash, rows, flags,
+            tokens,
+        )  # fmt: skip
         self._cell_seq = odd + 1
         words[_W_CELL] = odd + 1
         words[_W_HEARTBEAT] = time.monotonic_ns()
@@ -248,7 +287,7 @@ class ShmWriter:
         cell = layout.CTX_OFFSET
         odd = self._cell_seq + 1
         self.words[cell >> 3] = odd
-        _CELL_BODY.pack_into(mm, cell + 8, 0, 0, 0, 0, 0)
+        _CELL_BODY.pack_into(mm, cell + 8, 0, 0, 0, 0, 0, 0, 0, 0)
         self._cell_seq = odd + 1
         self.words[cell >> 3] = odd + 1
         if self.step_hook is not None:
@@ -339,11 +378,14 @@ class ShmWriter:
         position,
         batch_row,
         kv_len,
-        flags: int,
+        flags,
+        tokens_in_pass=0,
+        request_seq=0,
     ) -> int:
         """Publish len(block) records. `block` is a float32 [n, 7] tensor on any device (the device
         block: loss, entropy, target_prob, top1_prob and int32 rank/token/target bits). The per-row
-        host fields are ints or numpy arrays of n. Returns the number of records dropped (0 normally)."""
+        host fields (tenant/session/model hashes, flags, tokens_in_pass, request_seq included: a mixed
+        pass has rows of many requests) are ints or sequences of n. Returns the records dropped."""
         n = int(block.shape[0])
         cap = self.steps_capacity
         if n > cap:  # more than the ring holds: publish in chunks (the reader loses the older ones)
@@ -353,14 +395,16 @@ class ShmWriter:
                 dropped += self.publish_steps(
                     block[lo:hi], step_seq=step_seq, t_start=t_start, t_end=t_end,
                     trace_hi=_take(trace_hi, lo, hi), trace_lo=_take(trace_lo, lo, hi),
-                    tenant_hash=tenant_hash, session_hash=session_hash, model_hash=model_hash,
-                    step=_take(step, lo, hi), position=_take(position, lo, hi),
-                    batch_row=_take(batch_row, lo, hi), kv_len=_take(kv_len, lo, hi), flags=flags,
+                    tenant_hash=_take(tenant_hash, lo, hi), session_hash=_take(session_hash, lo, hi),
+                    model_hash=_take(model_hash, lo, hi), step=_take(step, lo, hi),
+                    position=_take(position, lo, hi), batch_row=_take(batch_row, lo, hi),
+                    kv_len=_take(kv_len, lo, hi), flags=_take(flags, lo, hi),
+                    tokens_in_pass=_take(tokens_in_pass, lo, hi), request_seq=_take(request_seq, lo, hi),
                 )  # fmt: skip
             return dropped
         cuda = block.is_cuda
         if cuda:
-            flags |= layout.FLAG_DEVICE_CUDA
+            flags = np.asarray(flags, np.uint32) | layout.FLAG_DEVICE_CUDA
             if not self._cuda_registered:
                 self._register_with_cuda()
             if len(self._pending) >= MAX_PENDING_STEPS:
@@ -386,6 +430,8 @@ class ShmWriter:
                 batch_row,
                 kv_len,
                 flags,
+                tokens_in_pass,
+                request_seq,
             )
             return 0
         with self._lock:
@@ -421,6 +467,8 @@ class ShmWriter:
                 batch_row,
                 kv_len,
                 flags,
+                tokens_in_pass,
+                request_seq,
             )
             if cuda:  # committed by poll_pending() once the copy is done, never waited for
                 import torch
@@ -449,6 +497,8 @@ class ShmWriter:
         batch_row,
         kv_len,
         flags,
+        tokens_in_pass,
+        request_seq,
     ) -> None:
         """The common decode case (a few rows, CPU tensors): the device block is already in host memory
         and a copy would be synchronous anyway, so each record body (host fields, the 28-byte block,
@@ -456,6 +506,8 @@ class ShmWriter:
         raw = (block.detach() if block.requires_grad else block).numpy().tobytes()
         mm, words, cap = self.mm, self.words, self.steps_capacity
         scalar = isinstance(step, int) and isinstance(kv_len, int)
+        same = all(isinstance(v, int) for v in (tenant_hash, session_hash, model_hash, flags, tokens_in_pass,
+                                                request_seq))  # fmt: skip
         with self._lock:
             pos = self.steps_head
             offs = [self.steps_offset + ((pos + i) & (cap - 1)) * _STEP_SIZE for i in range(n)]
@@ -464,11 +516,19 @@ class ShmWriter:
             self.steps_head = pos + n
             words[_W_STEPS_HEAD] = pos + n
             for i, off in enumerate(offs):
+                if same:
+                    tenant, session, model, fl, tokens, req = (tenant_hash, session_hash, model_hash, flags,
+                                                               tokens_in_pass, request_seq)  # fmt: skip
+                else:
+                    tenant, session, model, fl, tokens, req = (
+                        int(_at(v, i)) for v in (tenant_hash, session_hash, model_hash, flags, tokens_in_pass,
+                                                 request_seq)
+                    )  # fmt: skip
                 _STEP_BODY.pack_into(
                     mm, off + 8, step_seq, int(trace_hi[i]), int(trace_lo[i]), t_start, t_end,
-                    tenant_hash, session_hash, model_hash,
+                    tenant, session, model,
                     step if scalar else int(_at(step, i)), int(position[i]), int(batch_row[i]),
-                    kv_len if scalar else int(_at(kv_len, i)), raw[28 * i : 28 * i + 28], flags,
+                    kv_len if scalar else int(_at(kv_len, i)), raw[28 * i : 28 * i + 28], fl, tokens, req,
                 )  # fmt: skip
             for i, off in enumerate(offs):
                 words[off >> 3] = 2 * (pos + i) + 2
@@ -491,12 +551,14 @@ class ShmWriter:
         batch_row,
         kv_len,
         flags,
+        tokens_in_pass=0,
+        request_seq=0,
     ) -> None:
         values = {
             "step_seq": step_seq, "trace_id_hi": trace_hi, "trace_id_lo": trace_lo, "t_start_ns": t_start,
             "t_end_ns": t_end, "tenant_hash": tenant_hash, "session_hash": session_hash,
             "model_hash": model_hash, "step": step, "position": position, "batch_row": batch_row,
-            "kv_len": kv_len, "flags": flags,
+            "kv_len": kv_len, "flags": flags, "tokens_in_pass": tokens_in_pass, "request_seq": request_seq,
         }  # fmt: skip
         for name, value in values.items():
             arr = np.broadcast_to(np.asarray(value), (n,))
@@ -603,6 +665,28 @@ class ShmWriter:
         self.layers["seq"][slot : slot + first] = seqs[:first]
         self.layers["seq"][: n - first] = seqs[first:]
 
+    # --- request events (v3: a served request's end and its figures; prefill chunks) ----------------
+    def publish_request_event(self, *, kind: int, request_seq: int, step_seq: int = 0, trace_hi: int = 0,
+                              trace_lo: int = 0, tenant_hash: int = 0, session_hash: int = 0,
+                              model_hash: int = 0, t_start: int = 0, t_scheduled: int = 0,
+                              t_first_token: int = 0, t_last_token: int = 0, t_end: int = 0,
+                              prompt_tokens: int = 0, prefill_tokens: int = 0, decoded_tokens: int = 0,
+                              kv_blocks: int = 0, prefix_hit_tokens: int = 0,
+                              finish_reason: int = 0) -> None:  # fmt: skip
+        """One record of the request-events ring (struct llmobs_request_record), same protocol."""
+        with self._lock:
+            pos = self.requests_head
+            off = self.requests_offset + (pos & (self.requests_capacity - 1)) * layout.REQUEST_RECORD.size
+            self.words[off >> 3] = 2 * pos + 1
+            self.requests_head = pos + 1
+            self.words[_H["requests_head"] >> 3] = self.requests_head
+            _REQUEST_BODY.pack_into(
+                self.mm, off + 8, step_seq, trace_hi, trace_lo, tenant_hash, session_hash, model_hash,
+                t_start, t_scheduled, t_first_token, t_last_token, t_end, request_seq, kind, prompt_tokens,
+                prefill_tokens, decoded_tokens, kv_blocks, prefix_hit_tokens, finish_reason,
+            )  # fmt: skip
+            self.words[off >> 3] = 2 * pos + 2
+
     # --- CUPTI records (written by the in-process collector) -----------------------------------------
     def publish_cupti(
         self, step_seq, start_ns, end_ns, correlation_id, name_h, kind, device_id, stream_id
@@ -629,11 +713,11 @@ class ShmWriter:
 
 
 def _at(value, i: int):
-    return value if isinstance(value, int) else value[i]
+    return value if isinstance(value, int) or np.ndim(value) == 0 else value[i]
 
 
 def _take(value, lo: int, hi: int):
-    return value if isinstance(value, int) else value[lo:hi]
+    return value if isinstance(value, int) or np.ndim(value) == 0 else value[lo:hi]
 
 
 def _cuda_available() -> bool:

@@ -262,6 +262,132 @@ MIGRATIONS: tuple[Migration, ...] = (
                 WHERE t.t_end_ns - g.ts_ns <= 1500000000""",
         ),
     ),
+    Migration(
+        7,
+        "token_steps.ingest_seq: a per-store sequence number assigned at append (the OTLP export cursor)",
+        (
+            # Monotonic per store in commit order (appends are serialised by the store's lock): the OTLP
+            # exporter reads "ingest_seq > its position" instead of sorting token_steps by time each batch,
+            # and DuckDB skips the row groups below the position by their min/max. Rows already in the
+            # store are numbered in their stored (append) order. The sequence survives compaction (COPY
+            # FROM DATABASE carries its value).
+            "CREATE SEQUENCE token_steps_ingest_seq START 1",
+            "ALTER TABLE token_steps ADD COLUMN ingest_seq BIGINT DEFAULT nextval('token_steps_ingest_seq')",
+        ),
+    ),
+    Migration(
+        8,
+        "mixed-batch rows (token_steps.tokens_in_pass, request_seq, request_id), request_events; map ABI v3",
+        (
+            # A forward pass of a continuously batching server carries rows of many requests: each token
+            # step says how many tokens its row processed in that pass (1 for a decode, the prompt or its
+            # last chunk for a request's first token; 0 = unknown, e.g. a v2 map) - the weights by which a
+            # pass's totals are apportioned to its rows - and which request it belongs to: request_seq,
+            # the workload's number of the request (0 = none), and request_id, the engine's id ('' = none).
+            "ALTER TABLE token_steps ADD COLUMN tokens_in_pass INTEGER DEFAULT 0",
+            "ALTER TABLE token_steps ADD COLUMN request_seq BIGINT DEFAULT 0",
+            "ALTER TABLE token_steps ADD COLUMN request_id VARCHAR DEFAULT ''",
+            # The map's request-events ring (docs/shm-abi.md, v3). kind 'end': one row per served request
+            # that finished, failed or was cancelled, with its figures (queue_ns = first scheduled -
+            # arrival, ttft_ns = first token - arrival, tpot_ns = (last token - first token) /
+            # (decoded - 1); -1 where the request never got there), finish_reason stop | length |
+            # cancelled | error. kind 'chunk': a prefill chunk that produced no token, a row of pass
+            # step_seq that has no token step (prefill_tokens = its tokens, position = its first one), so
+            # the rows of a pass are its token steps plus its chunks.
+            """CREATE TABLE request_events (
+                pid INTEGER NOT NULL,
+                kind VARCHAR NOT NULL,
+                request_seq BIGINT NOT NULL,
+                request_id VARCHAR,
+                step_seq BIGINT,
+                trace_id VARCHAR,
+                tenant VARCHAR,
+                session VARCHAR,
+                model_id VARCHAR,
+                t_start_ns BIGINT,
+                t_scheduled_ns BIGINT,
+                t_first_token_ns BIGINT,
+                t_last_token_ns BIGINT,
+                t_end_ns BIGINT NOT NULL,
+                queue_ns BIGINT,
+                ttft_ns BIGINT,
+                tpot_ns BIGINT,
+                prompt_tokens INTEGER,
+                prefill_tokens INTEGER,
+                decoded_tokens INTEGER,
+                kv_blocks INTEGER,
+                prefix_hit_tokens INTEGER,
+                finish_reason VARCHAR,
+                position INTEGER)""",
+        ),
+    ),
+    Migration(
+        9,
+        "pass_shares: each pass's totals apportioned to its rows by tokens; requests keyed by request_seq",
+        (
+            # One row per row of a forward pass - a token step (row_kind 'step') or a prefill chunk
+            # without a token ('chunk', from request_events) - with its share of the pass's exact
+            # step_rollups totals, by the tokens the row processed in the pass (docs/store-schema.md,
+            # "pass_shares": the rule). Integer columns add up exactly per pass (largest remainder).
+            # t_start_ns is the pass's (its step_rollups row's), so correlate re-shares exactly the
+            # passes it re-rolls. No primary key: a teacher-forced pass has many token steps per
+            # batch row; join token_steps on (pid, step_seq, batch_row, position).
+            """CREATE TABLE pass_shares (
+                pid INTEGER NOT NULL,
+                step_seq BIGINT NOT NULL,
+                t_start_ns BIGINT NOT NULL,
+                row_kind VARCHAR NOT NULL,
+                batch_row INTEGER,
+                step INTEGER,
+                position INTEGER,
+                request_seq BIGINT NOT NULL DEFAULT 0,
+                trace_id VARCHAR,
+                tenant VARCHAR,
+                session VARCHAR,
+                tokens INTEGER NOT NULL,
+                weight BIGINT NOT NULL,
+                compute_ns BIGINT NOT NULL,
+                off_cpu_ns BIGINT NOT NULL,
+                allocations BIGINT NOT NULL,
+                alloc_bytes BIGINT NOT NULL,
+                compute_calls BIGINT NOT NULL,
+                launches BIGINT NOT NULL,
+                gpu_ns BIGINT)""",
+            # A served request is (pid, request_seq): its tokens come from passes it does not all take
+            # part in, so step_seq - step is not constant. The key gains request_seq (0 for generate()
+            # requests, which keep first_step_seq = step_seq - step): add-copy-drop, as the rule says.
+            """CREATE TABLE requests_v10 (
+                pid INTEGER NOT NULL,
+                trace_id VARCHAR NOT NULL,
+                first_step_seq BIGINT NOT NULL,
+                tenant VARCHAR,
+                session VARCHAR,
+                model_id VARCHAR,
+                t_start_ns BIGINT,
+                t_end_ns BIGINT,
+                tokens BIGINT,
+                mean_loss DOUBLE,
+                request_seq BIGINT NOT NULL DEFAULT 0,
+                PRIMARY KEY (pid, trace_id, first_step_seq, request_seq))""",
+            "INSERT INTO requests_v10 SELECT *, 0 FROM requests",
+            "DROP TABLE requests",
+            "ALTER TABLE requests_v10 RENAME TO requests",
+        ),
+    ),
+    Migration(
+        10,
+        "request_events: the caller's trace (trace_from_caller, parent_span_id, trace_flags, prompt_hash)",
+        (
+            # A request that arrived with a W3C traceparent carries its caller's trace id (trace_id, and
+            # the trace id of its token steps): trace_from_caller, the caller's span id (parent_span_id, 16
+            # hex; '' when the trace id is llmobs' own), its trace-flags, and prompt_hash, the prompt-hash
+            # trace id it would have had (= trace_id without a caller), so identical prompts still group.
+            "ALTER TABLE request_events ADD COLUMN trace_from_caller BOOLEAN DEFAULT false",
+            "ALTER TABLE request_events ADD COLUMN parent_span_id VARCHAR DEFAULT ''",
+            "ALTER TABLE request_events ADD COLUMN trace_flags INTEGER DEFAULT 0",
+            "ALTER TABLE request_events ADD COLUMN prompt_hash VARCHAR DEFAULT ''",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -280,6 +406,8 @@ TIME_COLUMN: dict[str, str] = {
     "layer_streams": "ts_ns",
     "layer_modules": "ts_ns",
     "gpu_samples": "ts_ns",
+    "request_events": "t_end_ns",
+    "pass_shares": "t_start_ns",
     "processes": "last_seen_ns",
 }
 

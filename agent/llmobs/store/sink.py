@@ -29,12 +29,18 @@ DB_PATH_ENV = environment.LLMOBS_DB  # overrides the default path; `--db` overri
 # DuckDB's buffer pool for an agent that writes the store: by default (80% of the host's RAM) DuckDB keeps
 # every block it wrote cached, so a store ingesting 50k events/s grew the agent's RSS by ~2 MB per
 # million rows for as long as it ran; capped, old blocks are evicted (they are on disk) and large queries
-# spill to disk instead.
-AGENT_MEMORY_LIMIT = "256MB"
+# spill to disk instead. 32MB (issue 14): `bench.soak --minutes 3 --rate 50000`, agent RSS first/max: 206/251
+# MB at 256MB, 182/221 at 64MB, 179/188 at 32MB (flat), every event stored and the same CPU in each.
+AGENT_MEMORY_LIMIT = "32MB"
+# DuckDB's worker threads for an agent that writes the store: by default one per core, and every
+# statement (a commit a second, a correlate) wakes them: at a slowly stepping target they were ~10 ms of
+# CPU a second (bench/step_cost, native_threads) for appends of a few hundred rows. The agent's SQL is
+# small and incremental; one thread runs it on the calling thread, with no wake-ups.
+AGENT_THREADS = 1
 
 
 def agent_memory_limit() -> str:
-    """The DuckDB memory limit of a store the agent writes: $LLMOBS_DUCKDB_MEMORY_LIMIT, else 256MB."""
+    """The DuckDB memory limit of a store the agent writes: $LLMOBS_DUCKDB_MEMORY_LIMIT, else 32MB."""
     return os.environ.get(environment.LLMOBS_DUCKDB_MEMORY_LIMIT) or AGENT_MEMORY_LIMIT
 
 
@@ -150,16 +156,11 @@ class DuckDBStore:
             conn.execute("BEGIN TRANSACTION")
             try:
                 written: dict[str, int] = {}
-                for index, (dest, table) in enumerate(tables.items()):
+                for dest, table in tables.items():
                     if table.num_rows == 0:
                         continue
-                    view = f"_llmobs_batch_{index}"
-                    conn.register(view, table)
-                    try:
-                        for target, rows in self._insert(dest, view, table.schema.names):
-                            written[target] = written.get(target, 0) + rows
-                    finally:
-                        conn.unregister(view)
+                    for target, rows in self._insert(dest, table):
+                        written[target] = written.get(target, 0) + rows
                 conn.execute("COMMIT")
             except Exception as exc:
                 conn.execute("ROLLBACK")
@@ -168,21 +169,31 @@ class DuckDBStore:
                 raise StoreError(f"append failed: {str(exc).splitlines()[0]}") from exc
         return written
 
-    def _insert(self, dest: str, view: str, names: list[str]) -> list[tuple[str, int]]:
+    def _insert(self, dest: str, table: pa.Table) -> list[tuple[str, int]]:
+        names = table.schema.names
         if dest == "events":
             if "kind" not in names:
                 raise StoreError("an events batch needs a `kind` column (mem | gpu | host | compute)")
+            # A route with no rows costs a statement (~0.3 ms) for nothing: only the kinds present.
+            kinds = set(table.column("kind").unique().to_pylist())  # not pyarrow.compute: +9 MB resident
             routes = [
-                ("mem_events", "kind = 'mem'"),
-                ("gpu_ops", "kind = 'gpu'"),
-                ("host_events", "kind IS DISTINCT FROM 'mem' AND kind IS DISTINCT FROM 'gpu'"),
+                ("mem_events", "kind = 'mem'", "mem" in kinds),
+                ("gpu_ops", "kind = 'gpu'", "gpu" in kinds),
+                (
+                    "host_events",
+                    "kind IS DISTINCT FROM 'mem' AND kind IS DISTINCT FROM 'gpu'",
+                    bool(kinds - {"mem", "gpu"}),
+                ),
             ]
-            return [(table, self._insert_select(table, view, names, where)) for table, where in routes]
+            return [
+                (target, self._insert_select(target, table, names, where) if present else 0)
+                for target, where, present in routes
+            ]
         if dest not in self._columns or dest == "schema_migrations":
             raise StoreError(f"unknown destination {dest!r}")
-        return [(dest, self._insert_select(dest, view, names, None))]
+        return [(dest, self._insert_select(dest, table, names, None))]
 
-    def _insert_select(self, table: str, view: str, names: list[str], where: str | None) -> int:
+    def _insert_select(self, table: str, batch: pa.Table, names: list[str], where: str | None) -> int:
         target_columns = self._columns[table]
         ignorable = {"kind", "trace_id"} if table in schema.EVENT_TABLES else set()
         unknown = [n for n in names if n not in target_columns and n not in ignorable]
@@ -204,7 +215,12 @@ class DuckDBStore:
         if table == "probe_aggregates" and "ts_ns" not in names:
             into.append("ts_ns")  # when it was read, so retention can age it out
             select.append(str(clock.monotonic_ns()))
-        sql = f"INSERT INTO {table} ({', '.join(into)}) SELECT {', '.join(select)} FROM {view}"
+        # The batch is read by DuckDB's replacement scan: a name the catalog does not know is looked up
+        # among the locals of the frame that calls execute, here `_llmobs_batch`. Registering it as a
+        # view instead (register + unregister) cost ~1.8 ms a table a commit, two catalog changes for
+        # one read. Column lists by name, as before: a column the batch lacks takes its default.
+        _llmobs_batch = batch  # noqa: F841 (read by the replacement scan)
+        sql = f"INSERT INTO {table} ({', '.join(into)}) SELECT {', '.join(select)} FROM _llmobs_batch"
         if where:
             sql += f" WHERE {where}"
         return self._conn.execute(sql).fetchall()[0][0]

@@ -7,8 +7,13 @@ steps not yet rolled up.
 
 from __future__ import annotations
 
-# A request instance: the trace id repeats with the prompt, the first token's forward pass does not.
-REQUEST_KEY = "step_seq - coalesce(step, 0)"
+# A request instance, with pid and trace_id (the trace id repeats with the prompt): a served request
+# (continuous batching: request_seq <> 0) is its request_seq, negated so it never meets the other kind;
+# a generate() request is its first token's forward pass, step_seq - step, the same for all its tokens
+# since it takes part in every pass until it ends (a served request skips passes, so it cannot be).
+REQUEST_KEY = (
+    "CASE WHEN coalesce(request_seq, 0) <> 0 THEN -request_seq ELSE step_seq - coalesce(step, 0) END"
+)
 # Optional filters shared by the views; a NULL parameter means "no filter".
 _FILTER = "($tenant IS NULL OR tenant = $tenant) AND ($session IS NULL OR session = $session)"
 
@@ -73,19 +78,39 @@ def top_probes(limit: int = 50):
     return sql, {"limit": int(limit)}
 
 
-def _usage(group_columns: tuple[str, ...], tenant: str | None, session: str | None):
-    """Token usage, per-token latency p50/p99, mean loss and peak concurrency per group.
+# What the views need of the store's schema: token_steps.request_seq (migration 8) for the request key,
+# pass_shares (migration 9) for the compute columns. An older store, opened read-only (readers never
+# migrate), gets the generate() key and NULL compute columns instead of a failed query.
+LEGACY_REQUEST_KEY = "step_seq - coalesce(step, 0)"
+REQUEST_SEQ_VERSION = 8
+SHARES_VERSION = 10
+_NO_SHARES = """SELECT NULL::VARCHAR AS tenant, NULL::VARCHAR AS session, 0::BIGINT AS weight,
+    0::BIGINT AS compute_ns, 0::BIGINT AS off_cpu_ns, NULL::BIGINT AS gpu_ns, 0::BIGINT AS allocations,
+    0::BIGINT AS alloc_bytes WHERE false"""
 
-    A request is (pid, trace_id, step_seq - step): trace ids repeat when prompts do (see `requests` in
+
+def _usage(group_columns: tuple[str, ...], tenant: str | None, session: str | None, version: int):
+    """Token usage, per-token latency p50/p99, mean loss, peak concurrency, and the group's share of the
+    forward passes' work (compute-, off-CPU and GPU-seconds, allocations, tokens processed), per group.
+
+    A request is REQUEST_KEY with pid and trace_id: trace ids repeat when prompts do (see `requests` in
     docs/store-schema.md). Concurrency is the largest number of requests in flight at once: +1 at a request's
     first token start, -1 at its last token end, a running sum ordered by time (ends before starts at
     equal times, so back-to-back requests do not count as overlapping).
+
+    The work columns add up the group's rows of pass_shares (each forward pass's exact totals shared by
+    tokens: llmobs.pipeline.apportion); a `*_pct` is the group's percentage of the whole store's total
+    (all tenants, whatever --tenant/--session select), so the groups of an unfiltered query add up to
+    100. They are NULL until correlate has shared the passes, and for a store older than pass_shares.
     """
     group = ", ".join(group_columns)
+    key = REQUEST_KEY if version >= REQUEST_SEQ_VERSION else LEGACY_REQUEST_KEY
+    shares = "SELECT * FROM pass_shares" if version >= SHARES_VERSION else _NO_SHARES
+    matches = " AND ".join(f"u.{c} IS NOT DISTINCT FROM w.{c}" for c in group_columns)
     sql = f"""
     WITH steps AS (SELECT * FROM token_steps WHERE {_FILTER}),
     req AS (
-        SELECT {group}, pid, trace_id, {REQUEST_KEY} AS first_seq, min(t_start_ns) AS s, max(t_end_ns) AS e
+        SELECT {group}, pid, trace_id, {key} AS first_seq, min(t_start_ns) AS s, max(t_end_ns) AS e
         FROM steps GROUP BY ALL
     ),
     edges AS (
@@ -95,22 +120,48 @@ def _usage(group_columns: tuple[str, ...], tenant: str | None, session: str | No
         SELECT {group}, sum(d) OVER (PARTITION BY {group} ORDER BY t, d ROWS UNBOUNDED PRECEDING) AS c
         FROM edges
     ),
-    concurrency AS (SELECT {group}, max(c) AS concurrency FROM running GROUP BY ALL)
-    SELECT {group}, count(DISTINCT (pid, trace_id, {REQUEST_KEY})) AS requests, count(*) AS tokens,
-        round(count(*) / nullif((max(t_end_ns) - min(t_start_ns)) / 1e9, 0), 2) AS tokens_per_s,
-        round(quantile_cont(latency_ns, 0.5) / 1e6, 3) AS p50_ms,
-        round(quantile_cont(latency_ns, 0.99) / 1e6, 3) AS p99_ms,
-        round(avg(loss) FILTER (NOT isnan(loss)), 4) AS mean_loss,
-        any_value(c.concurrency) AS concurrency
-    FROM steps JOIN concurrency c USING ({group})
-    GROUP BY ALL ORDER BY tokens DESC, {group}
+    concurrency AS (SELECT {group}, max(c) AS concurrency FROM running GROUP BY ALL),
+    usage AS (
+        SELECT {group}, count(DISTINCT (pid, trace_id, {key})) AS requests, count(*) AS tokens,
+            round(count(*) / nullif((max(t_end_ns) - min(t_start_ns)) / 1e9, 0), 2) AS tokens_per_s,
+            round(quantile_cont(latency_ns, 0.5) / 1e6, 3) AS p50_ms,
+            round(quantile_cont(latency_ns, 0.99) / 1e6, 3) AS p99_ms,
+            round(avg(loss) FILTER (NOT isnan(loss)), 4) AS mean_loss,
+            any_value(c.concurrency) AS concurrency
+        FROM steps JOIN concurrency c USING ({group})
+        GROUP BY ALL
+    ),
+    all_shares AS ({shares}),
+    work AS (
+        SELECT {group}, sum(weight) AS processed, sum(compute_ns) AS compute_ns,
+            sum(off_cpu_ns) AS off_cpu_ns,
+            sum(gpu_ns) AS gpu_ns, sum(allocations) AS allocations, sum(alloc_bytes) AS alloc_bytes
+        FROM all_shares WHERE {_FILTER} GROUP BY ALL
+    ),
+    total AS (
+        SELECT sum(weight) AS processed, sum(compute_ns) AS compute_ns, sum(off_cpu_ns) AS off_cpu_ns,
+            sum(gpu_ns) AS gpu_ns, sum(allocations) AS allocations
+        FROM all_shares
+    )
+    SELECT u.*,
+        round(w.compute_ns / 1e9, 3) AS compute_s,
+        round(100 * w.compute_ns / nullif(t.compute_ns, 0), 2) AS compute_pct,
+        round(w.off_cpu_ns / 1e9, 3) AS off_cpu_s,
+        round(100 * w.off_cpu_ns / nullif(t.off_cpu_ns, 0), 2) AS off_cpu_pct,
+        round(w.gpu_ns / 1e9, 3) AS gpu_s,
+        round(100 * w.gpu_ns / nullif(t.gpu_ns, 0), 2) AS gpu_pct,
+        w.allocations, round(100 * w.allocations / nullif(t.allocations, 0), 2) AS alloc_pct,
+        round(w.alloc_bytes / 2 ^ 20, 1) AS alloc_mib,
+        w.processed, round(100 * w.processed / nullif(t.processed, 0), 2) AS processed_pct
+    FROM usage u LEFT JOIN work w ON {matches} CROSS JOIN total t
+    ORDER BY u.tokens DESC, {", ".join(f"u.{c}" for c in group_columns)}
     """
     return sql, _params(tenant, session)
 
 
-def by_tenant(tenant: str | None = None):
-    return _usage(("tenant",), tenant, None)
+def by_tenant(tenant: str | None = None, version: int = SHARES_VERSION):
+    return _usage(("tenant",), tenant, None, version)
 
 
-def by_session(tenant: str | None = None, session: str | None = None):
-    return _usage(("tenant", "session"), tenant, session)
+def by_session(tenant: str | None = None, session: str | None = None, version: int = SHARES_VERSION):
+    return _usage(("tenant", "session"), tenant, session, version)

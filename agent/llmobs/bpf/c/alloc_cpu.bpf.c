@@ -4,7 +4,11 @@
 /* uprobe at c10::alloc_cpu (its first instruction, push %rbp, is emulated): open the interval. */
 int uprobe__alloc_cpu(struct pt_regs *ctx)
 {
-    llmobs_call_enter(LLMOBS_PROBE_alloc_cpu, PT_REGS_PARM1(ctx));
+    u32 word = llmobs_word(LLMOBS_PROBE_alloc_cpu);
+
+    if (word & LLMOBS_WORD_OFF)
+        return 0;
+    llmobs_call_enter(LLMOBS_PROBE_alloc_cpu, PT_REGS_PARM1(ctx), word);
     return 0;
 }
 
@@ -12,10 +16,13 @@ int uprobe__alloc_cpu(struct pt_regs *ctx)
 int uretprobe__alloc_cpu(struct pt_regs *ctx)
 {
     u64 ptr = PT_REGS_RC(ctx);
+    u32 word = llmobs_word(LLMOBS_PROBE_alloc_cpu);
     struct llmobs_start *slot;
 
+    if (word & LLMOBS_WORD_OFF)
+        return 0;
     slot = llmobs_close((u32)bpf_get_current_pid_tgid(), LLMOBS_PROBE_alloc_cpu, LLMOBS_KIND_MEM,
-                        bpf_ktime_get_ns());
+                        bpf_ktime_get_ns(), word);
     if (slot && ptr && llmobs_live_allocs.update(&ptr, &slot->value))
         llmobs_count(LLMOBS_CTR_START_LOST);
     return 0;

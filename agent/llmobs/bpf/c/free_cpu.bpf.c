@@ -8,6 +8,7 @@ int uprobe__free_cpu(struct pt_regs *ctx)
     u64 *size;
     u64 bytes = 0;
 
+    LLMOBS_RETURN_IF_OFF(LLMOBS_PROBE_free_cpu);
     if (!ptr)
         return 0;
     size = llmobs_live_allocs.lookup(&ptr);

@@ -6,6 +6,7 @@
 /* uprobe at at::_ops::linear::call (its first instruction, push %rbp, is emulated): count and sample. */
 int uprobe__linear(struct pt_regs *ctx)
 {
+    LLMOBS_RETURN_IF_OFF(LLMOBS_PROBE_linear);
     llmobs_point(LLMOBS_PROBE_linear, LLMOBS_KIND_COMPUTE, 0);
     return 0;
 }

@@ -4,9 +4,9 @@
 #ifndef LLMOBS_ABI_H
 #define LLMOBS_ABI_H
 
-#define LLMOBS_ABI_VERSION          2                       /* bumped on any incompatible layout change */
+#define LLMOBS_ABI_VERSION          3                       /* bumped on any incompatible layout change */
 #define LLMOBS_MAGIC                0x504d53424f4d4c4cULL   /* the bytes "LLMOBSMP" read as a little-endian u64 */
-#define LLMOBS_LAYOUT_HASH          0xf3d8802a8f2a97b4ULL   /* sha256 of the layout definition, first 8 bytes LE */
+#define LLMOBS_LAYOUT_HASH          0xb614da3dc7bfdc7bULL   /* sha256 of the layout definition, first 8 bytes LE */
 #define LLMOBS_CLOCK_MONOTONIC      1                       /* header.clock_id */
 #define LLMOBS_CTX_OFFSET           256                     /* byte offset of the current-context cell from the mapping start */
 #define LLMOBS_CONTROL_OFFSET       320                     /* byte offset of the control block */
@@ -17,10 +17,21 @@
 #define LLMOBS_NAME_SESSION         2                       /* name record kind */
 #define LLMOBS_NAME_MODEL           3                       /* name record kind */
 #define LLMOBS_NAME_OTHER           4                       /* name record kind */
+#define LLMOBS_NAME_REQUEST         5                       /* name record kind: hash is the request_seq */
+#define LLMOBS_NAME_TRACE_CONTEXT   6                       /* name record kind: request_seq's caller trace */
 #define LLMOBS_FLAG_HAS_TARGET      1                       /* step record flag */
 #define LLMOBS_FLAG_GENERATE        2                       /* step record flag */
 #define LLMOBS_FLAG_TEACHER_FORCED  4                       /* step record flag */
 #define LLMOBS_FLAG_DEVICE_CUDA     8                       /* step record flag */
+#define LLMOBS_FLAG_PREFILL         16                      /* step record flag: the pass also processed prompt tokens */
+#define LLMOBS_CTX_MIXED            1                       /* ctx flag: rows of several requests (trace id 0) */
+#define LLMOBS_CTX_TENANTS_MIXED    2                       /* ctx flag: rows of several tenants or sessions */
+#define LLMOBS_REQUEST_END          1                       /* request-event kind */
+#define LLMOBS_REQUEST_CHUNK        2                       /* request-event kind */
+#define LLMOBS_FINISH_STOP          1                       /* request-end finish reason */
+#define LLMOBS_FINISH_LENGTH        2                       /* request-end finish reason */
+#define LLMOBS_FINISH_CANCELLED     3                       /* request-end finish reason */
+#define LLMOBS_FINISH_ERROR         4                       /* request-end finish reason */
 #define LLMOBS_LAYER_ATTENTION_ENTROPY1                       /* layer record kind */
 #define LLMOBS_LAYER_MLP_VARIANCE   2                       /* layer record kind */
 #define LLMOBS_LAYER_KIND_MAX       16                      /* layer record kinds are below this */
@@ -73,7 +84,11 @@ struct llmobs_header {
     __u32 layer_record_size;          /* @204 v2: sizeof(struct llmobs_layer_record) */
     __u64 layers_head;                /* @208 v2: positions ever claimed in the layer-stream ring */
     __u64 layers_dropped;             /* @216 v2: layer records the writer could not publish */
-    __u64 reserved[4];                /* @224 zero */
+    __u64 requests_offset;            /* @224 v3: offset of the request-events ring */
+    __u32 requests_capacity;          /* @232 v3: records in the request-events ring (a power of two) */
+    __u32 request_record_size;        /* @236 v3: sizeof(struct llmobs_request_record) */
+    __u64 requests_head;              /* @240 v3: positions ever claimed in the request-events ring */
+    __u64 requests_dropped;           /* @248 v3: request events the writer could not publish */
 };
 _Static_assert(sizeof(struct llmobs_header) == 256, "llmobs_header size");
 _Static_assert(__builtin_offsetof(struct llmobs_header, magic) == 0, "llmobs_header.magic");
@@ -111,7 +126,11 @@ _Static_assert(__builtin_offsetof(struct llmobs_header, layers_capacity) == 200,
 _Static_assert(__builtin_offsetof(struct llmobs_header, layer_record_size) == 204, "llmobs_header.layer_record_size");
 _Static_assert(__builtin_offsetof(struct llmobs_header, layers_head) == 208, "llmobs_header.layers_head");
 _Static_assert(__builtin_offsetof(struct llmobs_header, layers_dropped) == 216, "llmobs_header.layers_dropped");
-_Static_assert(__builtin_offsetof(struct llmobs_header, reserved) == 224, "llmobs_header.reserved");
+_Static_assert(__builtin_offsetof(struct llmobs_header, requests_offset) == 224, "llmobs_header.requests_offset");
+_Static_assert(__builtin_offsetof(struct llmobs_header, requests_capacity) == 232, "llmobs_header.requests_capacity");
+_Static_assert(__builtin_offsetof(struct llmobs_header, request_record_size) == 236, "llmobs_header.request_record_size");
+_Static_assert(__builtin_offsetof(struct llmobs_header, requests_head) == 240, "llmobs_header.requests_head");
+_Static_assert(__builtin_offsetof(struct llmobs_header, requests_dropped) == 248, "llmobs_header.requests_dropped");
 
 /* The current-context cell: the words the eBPF probes read with bpf_probe_read_user.
  * seq is a seqlock counter: odd while the writer is updating the cell. */
@@ -122,7 +141,10 @@ struct llmobs_ctx_cell {
     __u64 step_seq;                   /* @24  process-global token-step sequence number, 0 = no step yet */
     __u64 tenant_hash;                /* @32  name hash of the tenant, 0 = none */
     __u64 session_hash;               /* @40  name hash of the session, 0 = none */
-    __u64 reserved[2];                /* @48  zero */
+    __u32 rows;                       /* @48  v3: rows (requests' sequences) in this pass, 0 = not told */
+    __u32 flags;                      /* @52  v3: LLMOBS_CTX_* */
+    __u32 tokens;                     /* @56  v3: tokens this pass processes (sum over its rows), 0 = not told */
+    __u32 reserved;                   /* @60  zero */
 };
 _Static_assert(sizeof(struct llmobs_ctx_cell) == 64, "llmobs_ctx_cell size");
 _Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, seq) == 0, "llmobs_ctx_cell.seq");
@@ -131,7 +153,10 @@ _Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, trace_id_lo) == 16, "l
 _Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, step_seq) == 24, "llmobs_ctx_cell.step_seq");
 _Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, tenant_hash) == 32, "llmobs_ctx_cell.tenant_hash");
 _Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, session_hash) == 40, "llmobs_ctx_cell.session_hash");
-_Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, reserved) == 48, "llmobs_ctx_cell.reserved");
+_Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, rows) == 48, "llmobs_ctx_cell.rows");
+_Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, flags) == 52, "llmobs_ctx_cell.flags");
+_Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, tokens) == 56, "llmobs_ctx_cell.tokens");
+_Static_assert(__builtin_offsetof(struct llmobs_ctx_cell, reserved) == 60, "llmobs_ctx_cell.reserved");
 
 /* The control block: the agent writes a command, the workload acknowledges it at its next step.
  * Agent: write cmd, cmd_arg, then cmd_seq last. Workload: write ack_*, then ack_seq = cmd_seq last. */
@@ -205,7 +230,8 @@ struct llmobs_step_record {
     __s32 token_id;                   /* @108 the token at this position (decoded, label, or arg-max) */
     __s32 target_id;                  /* @112 the target token, -1 = unknown */
     __u32 flags;                      /* @116 LLMOBS_FLAG_* */
-    __u64 reserved;                   /* @120 zero */
+    __u32 tokens_in_pass;             /* @120 v3: tokens this row processed in the pass (1 decode), 0 = unknown */
+    __u32 request_seq;                /* @124 v3: the process's number of the row's request, 0 = none */
 };
 _Static_assert(sizeof(struct llmobs_step_record) == 128, "llmobs_step_record size");
 _Static_assert(__builtin_offsetof(struct llmobs_step_record, seq) == 0, "llmobs_step_record.seq");
@@ -229,7 +255,8 @@ _Static_assert(__builtin_offsetof(struct llmobs_step_record, target_rank) == 104
 _Static_assert(__builtin_offsetof(struct llmobs_step_record, token_id) == 108, "llmobs_step_record.token_id");
 _Static_assert(__builtin_offsetof(struct llmobs_step_record, target_id) == 112, "llmobs_step_record.target_id");
 _Static_assert(__builtin_offsetof(struct llmobs_step_record, flags) == 116, "llmobs_step_record.flags");
-_Static_assert(__builtin_offsetof(struct llmobs_step_record, reserved) == 120, "llmobs_step_record.reserved");
+_Static_assert(__builtin_offsetof(struct llmobs_step_record, tokens_in_pass) == 120, "llmobs_step_record.tokens_in_pass");
+_Static_assert(__builtin_offsetof(struct llmobs_step_record, request_seq) == 124, "llmobs_step_record.request_seq");
 
 /* A CUPTI activity record, written by the in-process collector while the control block asks. */
 struct llmobs_cupti_record {
@@ -283,5 +310,51 @@ _Static_assert(__builtin_offsetof(struct llmobs_layer_record, kind) == 44, "llmo
 _Static_assert(__builtin_offsetof(struct llmobs_layer_record, value) == 48, "llmobs_layer_record.value");
 _Static_assert(__builtin_offsetof(struct llmobs_layer_record, flags) == 52, "llmobs_layer_record.flags");
 _Static_assert(__builtin_offsetof(struct llmobs_layer_record, reserved) == 56, "llmobs_layer_record.reserved");
+
+/* A request-events record (v3): the end of a served request with its figures (kind END), or a
+ * prefill chunk that produced no token (kind CHUNK: a row of pass step_seq that is no token step). */
+struct llmobs_request_record {
+    __u64 seq;                        /* @0   2*pos+1 while written, 2*pos+2 once committed */
+    __u64 step_seq;                   /* @8   END: the pass of its last token (0 = none); CHUNK: its pass */
+    __u64 trace_id_hi;                /* @16  trace id bytes 0..7 (big-endian) of the request */
+    __u64 trace_id_lo;                /* @24  trace id bytes 8..15 */
+    __u64 tenant_hash;                /* @32  name hash, 0 = none */
+    __u64 session_hash;               /* @40  name hash, 0 = none */
+    __u64 model_hash;                 /* @48  name hash, 0 = none */
+    __u64 t_start_ns;                 /* @56  END: arrival (added by the client); CHUNK: pass start */
+    __u64 t_scheduled_ns;             /* @64  END: first scheduled into a pass, 0 = never; CHUNK: pass start */
+    __u64 t_first_token_ns;           /* @72  END: first token known, 0 = none */
+    __u64 t_last_token_ns;            /* @80  END: last token known, 0 = none */
+    __u64 t_end_ns;                   /* @88  END: finished, failed or cancelled; CHUNK: pass end */
+    __u32 request_seq;                /* @96  the process's number of the request (names ring: its engine id) */
+    __u32 kind;                       /* @100 LLMOBS_REQUEST_* */
+    __u32 prompt_tokens;              /* @104 tokens of the prompt */
+    __u32 prefill_tokens;             /* @108 END: prompt tokens computed (not reused); CHUNK: this chunk's */
+    __u32 decoded_tokens;             /* @112 END: tokens generated (token steps); CHUNK: 0 */
+    __u32 kv_blocks;                  /* @116 END: KV-cache blocks the request held at its end; CHUNK: 0 */
+    __u32 prefix_hit_tokens;          /* @120 END: prompt tokens whose KV came from shared (prefix) blocks */
+    __u32 finish_reason;              /* @124 END: LLMOBS_FINISH_*; CHUNK: first position the chunk processed */
+};
+_Static_assert(sizeof(struct llmobs_request_record) == 128, "llmobs_request_record size");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, seq) == 0, "llmobs_request_record.seq");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, step_seq) == 8, "llmobs_request_record.step_seq");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, trace_id_hi) == 16, "llmobs_request_record.trace_id_hi");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, trace_id_lo) == 24, "llmobs_request_record.trace_id_lo");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, tenant_hash) == 32, "llmobs_request_record.tenant_hash");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, session_hash) == 40, "llmobs_request_record.session_hash");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, model_hash) == 48, "llmobs_request_record.model_hash");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, t_start_ns) == 56, "llmobs_request_record.t_start_ns");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, t_scheduled_ns) == 64, "llmobs_request_record.t_scheduled_ns");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, t_first_token_ns) == 72, "llmobs_request_record.t_first_token_ns");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, t_last_token_ns) == 80, "llmobs_request_record.t_last_token_ns");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, t_end_ns) == 88, "llmobs_request_record.t_end_ns");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, request_seq) == 96, "llmobs_request_record.request_seq");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, kind) == 100, "llmobs_request_record.kind");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, prompt_tokens) == 104, "llmobs_request_record.prompt_tokens");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, prefill_tokens) == 108, "llmobs_request_record.prefill_tokens");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, decoded_tokens) == 112, "llmobs_request_record.decoded_tokens");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, kv_blocks) == 116, "llmobs_request_record.kv_blocks");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, prefix_hit_tokens) == 120, "llmobs_request_record.prefix_hit_tokens");
+_Static_assert(__builtin_offsetof(struct llmobs_request_record, finish_reason) == 124, "llmobs_request_record.finish_reason");
 
 #endif /* LLMOBS_ABI_H */

@@ -80,7 +80,7 @@ struct llmobs_start {
     u32 pid;
     u32 tid;   /* the owner of the slot: checked at the close, slots are shared by hashing */
     u32 probe;
-    u32 pad;
+    u32 epoch; /* the probe's word when opened: a close under another word (shed since) records nothing */
 };
 
 /* A target process and the address of its context cell in its own address space (0: no map, its
@@ -112,8 +112,12 @@ static __always_inline u32 llmobs_slot(u32 tid, u32 probe)
 BPF_ARRAY(llmobs_targets, struct llmobs_target, LLMOBS_TARGET_SLOTS);
 /* The sampling knobs: one entry, struct llmobs_config. */
 BPF_ARRAY(llmobs_config, struct llmobs_config, 1);
+/* Allocated per key, not preallocated: a preallocated per-CPU hash makes one per-CPU allocation per
+ * entry when it is created (65 k of them: 55 ms quiet, 0.1-0.35 s on a loaded host, on the path to the
+ * first event); a key is new once per (pid, probe, step), so the allocation is off the per-hit path. */
 /* Exact count / value sum / duration sum of ALL events per (pid, probe, step), per CPU. */
-BPF_PERCPU_HASH(llmobs_aggs, struct llmobs_agg_key, struct llmobs_agg_val, LLMOBS_AGG_ENTRIES);
+BPF_F_TABLE("percpu_hash", struct llmobs_agg_key, struct llmobs_agg_val, llmobs_aggs, LLMOBS_AGG_ENTRIES,
+            BPF_F_NO_PREALLOC);
 /* Loss and health counters, per CPU; indices LLMOBS_CTR_*. */
 BPF_PERCPU_ARRAY(llmobs_counters, u64, LLMOBS_NUM_COUNTERS);
 /* The per-CPU counter hashed by --sample-mode cpu. */
@@ -124,6 +128,23 @@ BPF_ARRAY(llmobs_call_start, struct llmobs_start, LLMOBS_START_SLOTS);
 BPF_HASH(llmobs_live_allocs, u64, u64, 262144);
 /* Sampled events to user space; submitted without wake-up, drained by the agent every ~20 ms. */
 BPF_RINGBUF_OUTPUT(llmobs_events, LLMOBS_RING_BYTES / 4096);
+/* The governor's switch words (below): probe ids are below this (tests/unit checks PROBES fits). */
+#define LLMOBS_MAX_PROBES 64
+#define LLMOBS_WORD_OFF 1
+/* The governor's switch of each probe, by probe id (ProbeProgram.set_probe_enabled): even = on, odd =
+ * off. Every change bumps the word, so it is an epoch too: an interval opened before a shed is never
+ * closed after the re-enable with the off period as its duration. Zero at load: every probe on. Every
+ * program reads it first thing: an array lookup the verifier inlines (no helper call), so a hit of a
+ * shed probe costs its dispatch and a few instructions (docs/probes.md, measured). */
+/* The switch words: one u32 per probe id. */
+BPF_ARRAY(llmobs_probe_words, u32, LLMOBS_MAX_PROBES);
+
+/* The switch word of `probe` (llmobs_probe_words); `word & LLMOBS_WORD_OFF`: the probe is shed. */
+static __always_inline u32 llmobs_word(u32 probe)
+{
+    u32 *word = llmobs_probe_words.lookup(&probe);
+    return word ? *word : 0;
+}
 
 static __always_inline void llmobs_count(u32 index)
 {
@@ -255,7 +276,7 @@ static __always_inline void llmobs_point(u16 probe, u8 kind, u64 value)
 
 /* Opens an interval for (thread tid of process pid, probe) with this tag. Returns the slot or NULL. */
 static __always_inline struct llmobs_start *llmobs_open(u32 pid, u32 tid, u16 probe, u64 ts_ns, u64 value,
-                                                        struct llmobs_tag *tag)
+                                                        struct llmobs_tag *tag, u32 word)
 {
     u32 index = llmobs_slot(tid, probe);
     struct llmobs_start *slot = llmobs_call_start.lookup(&index);
@@ -270,37 +291,54 @@ static __always_inline struct llmobs_start *llmobs_open(u32 pid, u32 tid, u16 pr
     slot->pid = pid;
     slot->tid = tid;
     slot->probe = probe;
+    slot->epoch = word;
     return slot;
 }
 
-/* Closes the interval of (tid, probe), if this thread owns the slot: records it with its duration. */
-static __always_inline struct llmobs_start *llmobs_close(u32 tid, u16 probe, u8 kind, u64 now)
+/* Closes the interval of (tid, probe), if this thread owns the slot: records it with its duration,
+ * unless the probe's word changed since it was opened (shed and re-enabled: the slot is just freed). */
+static __always_inline struct llmobs_start *llmobs_close(u32 tid, u16 probe, u8 kind, u64 now, u32 word)
 {
     u32 index = llmobs_slot(tid, probe);
     struct llmobs_start *slot = llmobs_call_start.lookup(&index);
 
     if (!slot || !slot->ts_ns || slot->tid != tid || slot->probe != probe)
         return 0;
+    if (slot->epoch != word) {
+        slot->ts_ns = 0;
+        return 0;
+    }
     llmobs_record(slot->pid, tid, probe, kind, &slot->tag, slot->ts_ns, slot->value, now - slot->ts_ns);
     slot->ts_ns = 0;
     return slot;
 }
 
-/* Opens an interval for (current thread, probe): remembers time, value and tag. */
-static __always_inline void llmobs_call_enter(u16 probe, u64 value)
+/* Opens an interval for (current thread, probe) under its switch word (the caller read it and found the
+ * probe on): remembers time, value and tag. */
+static __always_inline void llmobs_call_enter(u16 probe, u64 value, u32 word)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct llmobs_tag tag;
 
     if (llmobs_read_tag(id >> 32, &tag) < 0)
         return;
-    llmobs_open(id >> 32, (u32)id, probe, bpf_ktime_get_ns(), value, &tag);
+    llmobs_open(id >> 32, (u32)id, probe, bpf_ktime_get_ns(), value, &tag, word);
 }
 
-/* Closes the interval opened by llmobs_call_enter and records it with its duration. */
+/* Closes the interval opened by llmobs_call_enter and records it with its duration (nothing while the
+ * probe is shed). */
 static __always_inline void llmobs_call_return(u16 probe, u8 kind)
 {
-    llmobs_close((u32)bpf_get_current_pid_tgid(), probe, kind, bpf_ktime_get_ns());
+    u32 word = llmobs_word(probe);
+
+    if (word & LLMOBS_WORD_OFF)
+        return;
+    llmobs_close((u32)bpf_get_current_pid_tgid(), probe, kind, bpf_ktime_get_ns(), word);
 }
+
+/* First thing in a program: its probe is shed (the governor switched it off): return at once. */
+#define LLMOBS_RETURN_IF_OFF(probe)                                                                      \
+    if (llmobs_word(probe) & LLMOBS_WORD_OFF)                                                          \
+        return 0;
 
 #endif

@@ -12,6 +12,7 @@ struct llmobs_page_fault_args {
 /* tracepoint exceptions:page_fault_user: count and sample a fault of a target thread. */
 int tracepoint_page_fault_user(struct llmobs_page_fault_args *args)
 {
+    LLMOBS_RETURN_IF_OFF(LLMOBS_PROBE_page_fault_user);
     llmobs_point(LLMOBS_PROBE_page_fault_user, LLMOBS_KIND_HOST, 0);
     return 0;
 }

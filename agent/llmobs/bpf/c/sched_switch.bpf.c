@@ -18,15 +18,19 @@ struct llmobs_sched_switch_args {
 /* tracepoint sched:sched_switch: close the next thread's interval, open the previous one's. */
 int tracepoint_sched_switch(struct llmobs_sched_switch_args *args)
 {
-    u64 now = bpf_ktime_get_ns();
-    u64 id = bpf_get_current_pid_tgid();
+    u32 word = llmobs_word(LLMOBS_PROBE_sched_switch);
+    u64 now, id;
     struct llmobs_tag tag;
 
+    if (word & LLMOBS_WORD_OFF) /* shed: every switch on the host costs only this lookup */
+        return 0;
+    now = bpf_ktime_get_ns();
+    id = bpf_get_current_pid_tgid();
     /* every switch-in looks at one array slot; only target threads ever opened one */
-    llmobs_close(args->next_pid, LLMOBS_PROBE_sched_switch, LLMOBS_KIND_HOST, now);
+    llmobs_close(args->next_pid, LLMOBS_PROBE_sched_switch, LLMOBS_KIND_HOST, now, word);
     if ((u32)id == 0 || llmobs_read_tag(id >> 32, &tag) < 0)
         return 0;
     /* value: 1 when preempted (TASK_RUNNING at switch-out), 0 when the thread blocked */
-    llmobs_open(id >> 32, (u32)id, LLMOBS_PROBE_sched_switch, now, args->prev_state == 0, &tag);
+    llmobs_open(id >> 32, (u32)id, LLMOBS_PROBE_sched_switch, now, args->prev_state == 0, &tag, word);
     return 0;
 }

@@ -16,6 +16,7 @@ static __always_inline u64 llmobs_sgemm_flops(struct pt_regs *ctx)
 /* uprobe at sgemm_ (+4, past endbr64, on the emulated push): count and sample the GEMM. */
 int uprobe__sgemm(struct pt_regs *ctx)
 {
+    LLMOBS_RETURN_IF_OFF(LLMOBS_PROBE_sgemm); /* before the argument reads */
     llmobs_point(LLMOBS_PROBE_sgemm, LLMOBS_KIND_COMPUTE, llmobs_sgemm_flops(ctx));
     return 0;
 }
@@ -23,7 +24,11 @@ int uprobe__sgemm(struct pt_regs *ctx)
 /* uprobe at sgemm_ (+4), timed variant: open the interval with the flops. */
 int uprobe__sgemm_timed(struct pt_regs *ctx)
 {
-    llmobs_call_enter(LLMOBS_PROBE_sgemm, llmobs_sgemm_flops(ctx));
+    u32 word = llmobs_word(LLMOBS_PROBE_sgemm);
+
+    if (word & LLMOBS_WORD_OFF)
+        return 0;
+    llmobs_call_enter(LLMOBS_PROBE_sgemm, llmobs_sgemm_flops(ctx), word);
     return 0;
 }
 

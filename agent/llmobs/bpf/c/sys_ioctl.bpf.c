@@ -23,11 +23,15 @@ BPF_HASH(llmobs_ioctl_fds, struct llmobs_fd_key, u8, 4096);
 /* tracepoint syscalls:sys_enter_ioctl: open the interval if the fd is a watched device. */
 int tracepoint_sys_enter_ioctl(struct llmobs_sys_enter_ioctl_args *args)
 {
-    struct llmobs_fd_key key = {.pid = bpf_get_current_pid_tgid() >> 32, .fd = (u32)args->fd};
+    u32 word = llmobs_word(LLMOBS_PROBE_ioctl);
+    struct llmobs_fd_key key = {.fd = (u32)args->fd};
 
+    if (word & LLMOBS_WORD_OFF)
+        return 0;
+    key.pid = bpf_get_current_pid_tgid() >> 32;
     if (!llmobs_ioctl_fds.lookup(&key))
         return 0;
-    llmobs_call_enter(LLMOBS_PROBE_ioctl, args->cmd);
+    llmobs_call_enter(LLMOBS_PROBE_ioctl, args->cmd, word);
     return 0;
 }
 

@@ -7,7 +7,10 @@
 #define LLMOBS_CALL_TIMED(SYM, PROBE, KIND, VALUE)                                                    \
     int uprobe__##SYM(struct pt_regs *ctx)                                                              \
     {                                                                                                  \
-        llmobs_call_enter(PROBE, (VALUE));                                                             \
+        u32 word = llmobs_word(PROBE);                                                                 \
+        if (word & LLMOBS_WORD_OFF)                                                                    \
+            return 0;                                                                                  \
+        llmobs_call_enter(PROBE, (VALUE), word);                                                       \
         return 0;                                                                                      \
     }                                                                                                  \
     int uretprobe__##SYM(struct pt_regs *ctx)                                                           \
@@ -20,6 +23,7 @@
 #define LLMOBS_CALL_POINT(SYM, PROBE, KIND, VALUE)                                                    \
     int uprobe__##SYM(struct pt_regs *ctx)                                                              \
     {                                                                                                  \
+        LLMOBS_RETURN_IF_OFF(PROBE);                                                                   \
         llmobs_point(PROBE, KIND, (VALUE));                                                            \
         return 0;                                                                                      \
     }

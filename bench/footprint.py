@@ -1,0 +1,123 @@
+"""The footprint benchmark (issue 14): this tree against the previous release (main before the footprint
+work, commit 6bfae97), side by side in one run, interleaved round by round, each ratio with its 95%
+interval; with --until, rounds are added two at a time until every interval is at most that wide.
+
+  rss       the agent's resident set on a paced libc10 target (bench/soak.py's), `attach --profile mem
+            --db X --overhead-budget 0`: idle (the target waiting) and at --rate events/s, plus its CPU
+  attach    seconds from `attach --pid P --db X` starting to its first event (tiny workload generating)
+  otlp      agent CPU ms per 1,000 spans exported over gRPC to a real rotel collector, and spans/s
+  ingest    synthetic ring records decoded and stored in DuckDB: events/s and events per CPU-second
+  slowdown  SmolLM2 tokens/s with no agent, with the previous release's `attach` and with this one's
+            (default profile, the default store), at 1 and 2 torch threads: ratios to no agent
+
+The per-hit probe cost (bench/probes.py --only cost), the governor's measured-vs-budget table
+(bench/governor.py), the agent's CPU per token step by stage (bench/step_cost.py) and the 30-minute soak
+(bench/soak.py --minutes 30 --rate 50000) are their own benchmarks: each is one configuration or needs
+its own interleaving; docs/reliability.md and the closing note of issue 14 give their runs.
+
+    .venv/bin/python -m bench.footprint [--only rss,attach,otlp,ingest,slowdown] [--rounds 4]
+        [--until 0.02 --max-rounds 12] [--rate 10000] [--seconds 40] [--json PATH]
+
+Needs root (attach). --baseline defaults to /tmp/llmobs-main, made with `git worktree add` when missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.harness import Report, add_json_option
+from bench.runtime import REPO, arm, ensure_baseline
+
+PREVIOUS_RELEASE = "6bfae97"
+DEFAULT_BASELINE = Path("/tmp/llmobs-main")
+FIGURES = ("rss", "attach", "otlp", "ingest", "slowdown")
+BETTER = {"RSS idle MB": "lower", "RSS at rate MB": "lower", "agent CPU %": "lower", "first event s": "lower",
+          "CPU ms/1k spans": "lower", "spans/s": "higher", "events/s": "higher", "events/CPU-s": "higher",
+          "tokens/s": "higher"}  # fmt: skip
+SHOWN = {"rss": ["RSS idle MB", "RSS at rate MB", "agent CPU %"], "attach": ["first event s"],
+         "otlp": ["CPU ms/1k spans", "spans/s"], "ingest": ["events/s", "events/CPU-s"],
+         "slowdown": ["tokens/s"]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--baseline", type=Path, help=f"the previous release's tree (default: {DEFAULT_BASELINE})"
+    )
+    parser.add_argument("--candidate", type=Path, default=REPO, help="this tree (default: this repository)")
+    parser.add_argument("--only", default=",".join(FIGURES), help="figures to measure")
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (at least)")
+    parser.add_argument("--until", type=float, help="add rounds until every interval is +- this (0.02)")
+    parser.add_argument("--max-rounds", type=int, default=12, help="with --until: at most this many rounds")
+    parser.add_argument("--rate", type=int, default=10_000, help="rss: probe events/s while loaded")
+    parser.add_argument("--seconds", type=int, default=40, help="rss: seconds loaded")
+    parser.add_argument("--idle-s", type=int, default=8, help="rss: seconds idle before the load")
+    parser.add_argument("--events", type=int, default=1_000_000, help="ingest: events per round")
+    parser.add_argument("--steps", type=int, default=20_000, help="otlp: token steps in the store")
+    parser.add_argument("--tokens", type=int, default=24, help="slowdown: tokens per request")
+    parser.add_argument("--requests", type=int, default=2, help="slowdown: requests per round")
+    add_json_option(parser)
+    args = parser.parse_args(argv)
+    only = [f for f in args.only.split(",") if f]
+    if unknown := set(only) - set(FIGURES):
+        parser.error(
+            f"--only: unknown figure(s) {', '.join(sorted(unknown))} (choose from {', '.join(FIGURES)})"
+        )
+    if {"rss", "attach", "slowdown"} & set(only) and os.geteuid() != 0:
+        print("error: rss, attach and slowdown attach eBPF probes\nhint: run as root, or --only otlp,ingest",
+              file=sys.stderr)  # fmt: skip
+        return 4
+    baseline = ensure_baseline(args.baseline or DEFAULT_BASELINE, PREVIOUS_RELEASE)
+    trees = {"before": baseline, "after": args.candidate}
+    report = Report("footprint", args)
+    report.note(f"before: {baseline} ({PREVIOUS_RELEASE})  after: {args.candidate}")
+    opts = {"rss": {"rate": args.rate, "seconds": args.seconds, "idle_s": args.idle_s},
+            "attach": {"duration": 3.0}, "otlp": {"steps": args.steps},
+            "ingest": {"events": args.events, "drain_events": 20_000}}  # fmt: skip
+    rounds = {"rounds": args.rounds, "until": args.until, "max_rounds": args.max_rounds}
+    imported: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-footprint-") as tmp, contextlib.ExitStack() as stack:
+        rotel = None
+        if "otlp" in only:
+            from bench.rotel_harness import Rotel
+
+            rotel = stack.enter_context(Rotel(Path(tmp)))
+            opts["otlp"]["endpoint"] = rotel.grpc_endpoint
+
+        def clear_rotel_log(comparison, index, name) -> None:
+            if rotel is not None and rotel.logs:
+                rotel.logs[-1].write_bytes(b"")  # its debug log grows by ~1 KB per span
+
+        for figure in only:
+            if figure == "slowdown":
+                for threads in (1, 2):
+                    base = {
+                        "model": "smollm2",
+                        "requests": args.requests,
+                        "tokens": args.tokens,
+                        "threads": threads,
+                    }
+                    arms = [arm("none", args.candidate, "tokens", {**base, "agent": False}, {})]
+                    arms += [arm(name, tree, "tokens", base, imported) for name, tree in trees.items()]
+                    report.compare(f"slowdown, {threads} thread(s)", arms, baseline="none", better=BETTER,
+                                   metrics=SHOWN[figure], **rounds)  # fmt: skip
+                continue
+            arms = [arm(name, tree, "rss" if figure == "rss" else figure, opts[figure], imported)
+                    for name, tree in trees.items()]  # fmt: skip
+            report.compare(figure, arms, baseline="before", better=BETTER, metrics=SHOWN[figure],
+                           progress=clear_rotel_log, **rounds)  # fmt: skip
+    for name, path in imported.items():
+        report.note(f"{name}: every round imported llmobs from {path}")
+    report.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""`python -m llmobs.workloads.serve` as a held target for the serving tests and benchmarks, synchronised over
+its --ready-fd pipe, never by sleeps.
+
+with HeldServer("--model", "tiny") as server:       # returns once it serves: server.ready is its ready line
+    clients.run_clients(server.base_url, ...)
+    status, done = server.stop()                     # SIGTERM; its exit status and "done" line
+# on exit: killed if it still runs, reaped
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+
+START_TIMEOUT = 300.0  # a first run saves the model into the cache: an upper bound, not a pace
+
+
+def read_json_line(fd: int, timeout: float) -> dict:
+    """The server's next status line on its --ready-fd pipe (bounded wait)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        readable, _, _ = select.select([fd], [], [], timeout)
+        assert readable, "the server did not report in time"
+        chunk = os.read(fd, 4096)
+        assert chunk, "the server exited before it reported"
+        data += chunk
+    return json.loads(data.decode().splitlines()[-1])
+
+
+class HeldServer:
+    def __init__(self, *args: str, start_timeout: float = START_TIMEOUT):
+        self.args = args
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen | None = None
+        self.ready: dict = {}
+        self._ready_r = -1
+        # a file, not a pipe: nobody reads it while it serves, so it never fills up and blocks the server
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 (closed in __exit__)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def base_url(self) -> str:
+        return self.ready["base_url"]
+
+    @property
+    def model(self) -> str:
+        """The name a client sends (the served directory's path)."""
+        return self.ready["served_model"]
+
+    def __enter__(self) -> HeldServer:
+        self._ready_r, ready_w = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmobs.workloads.serve", "--ready-fd", str(ready_w), *self.args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log, pass_fds=(ready_w,),
+        )  # fmt: skip
+        os.close(ready_w)
+        try:
+            self.ready = read_json_line(self._ready_r, self.start_timeout)
+        except AssertionError as exc:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            log = self.stderr()
+            self.__exit__(None, None, None)
+            raise AssertionError(f"{exc}; its stderr:\n{log}") from None
+        return self
+
+    def stderr(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")[-3000:]
+
+    def stop(self, timeout: float = 120.0) -> tuple[int, dict | None]:
+        """SIGTERM, then (exit status, the "done" line or None if it wrote none)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            done = read_json_line(self._ready_r, timeout)
+        except AssertionError:
+            done = None
+        return self.proc.wait(timeout=timeout), done
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+        if self._ready_r >= 0:
+            os.close(self._ready_r)
+            self._ready_r = -1
+        self._log.close()
