@@ -83,7 +83,7 @@ def top_probes(limit: int = 50):
 # migrate), gets the generate() key and NULL compute columns instead of a failed query.
 LEGACY_REQUEST_KEY = "step_seq - coalesce(step, 0)"
 REQUEST_SEQ_VERSION = 8
-SHARES_VERSION = 10
+SHARES_VERSION = 9  # pass_shares (migration 9)
 _NO_SHARES = """SELECT NULL::VARCHAR AS tenant, NULL::VARCHAR AS session, 0::BIGINT AS weight,
     0::BIGINT AS compute_ns, 0::BIGINT AS off_cpu_ns, NULL::BIGINT AS gpu_ns, 0::BIGINT AS allocations,
     0::BIGINT AS alloc_bytes WHERE false"""
