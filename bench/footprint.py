@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from bench.harness import Report, add_json_option
-from bench.runtime import REPO, arm, ensure_baseline
+from bench.runtime import REPO, arm, ensure_baseline, otlp_collector
 
 PREVIOUS_RELEASE = "6bfae97"
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
@@ -84,16 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = {"rounds": args.rounds, "until": args.until, "max_rounds": args.max_rounds}
     imported: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-footprint-") as tmp, contextlib.ExitStack() as stack:
-        rotel = None
-        if "otlp" in only:
-            from bench.rotel_harness import Rotel
-
-            rotel = stack.enter_context(Rotel(Path(tmp)))
-            opts["otlp"]["endpoint"] = rotel.grpc_endpoint
-
-        def clear_rotel_log(comparison, index, name) -> None:
-            if rotel is not None and rotel.logs:
-                rotel.logs[-1].write_bytes(b"")  # its debug log grows by ~1 KB per span
+        clear_rotel_log = otlp_collector(only, opts, tmp, stack)
 
         for figure in only:
             if figure == "slowdown":

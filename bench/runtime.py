@@ -71,6 +71,23 @@ def arm(name: str, tree: Path, figure: str, opts: dict, imported_from: dict[str,
     return Command(name, argv, env=env, cwd=REPO, figures=figures, timeout=1800)
 
 
+def otlp_collector(only: list[str], opts: dict, tmp: str, stack: contextlib.ExitStack):
+    """A rotel collector for the otlp figure (its endpoint put into opts["otlp"]), and the progress hook
+    that empties its debug log after each round (it grows by ~1 KB per span)."""
+    rotel = None
+    if "otlp" in only:
+        from bench.rotel_harness import Rotel
+
+        rotel = stack.enter_context(Rotel(Path(tmp)))
+        opts["otlp"]["endpoint"] = rotel.grpc_endpoint
+
+    def clear_rotel_log(comparison, index, name) -> None:
+        if rotel is not None and rotel.logs:
+            rotel.logs[-1].write_bytes(b"")
+
+    return clear_rotel_log
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -106,16 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": {"model": args.model, "requests": args.requests, "tokens": args.tokens}}  # fmt: skip
     imported: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix="bench-runtime-") as tmp, contextlib.ExitStack() as stack:
-        rotel = None
-        if "otlp" in only:
-            from bench.rotel_harness import Rotel
-
-            rotel = stack.enter_context(Rotel(Path(tmp)))
-            opts["otlp"]["endpoint"] = rotel.grpc_endpoint
-
-        def clear_rotel_log(comparison, index, name) -> None:
-            if rotel is not None and rotel.logs:
-                rotel.logs[-1].write_bytes(b"")  # its debug log grows by ~1 KB per span
+        clear_rotel_log = otlp_collector(only, opts, tmp, stack)
 
         for figure in only:
             arms = [arm(name, tree, figure, opts[figure], imported) for name, tree in trees.items()]
