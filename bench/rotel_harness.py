@@ -132,6 +132,21 @@ class Rotel:
     def span_count(self) -> int:
         return self.text().count("\nSpan #")
 
+    def wait_for_spans(self, span_ids: set[str], timeout: float, what: str = "spans") -> list[ParsedSpan]:
+        """Wait until every id of `span_ids` is in the log; return the parsed spans.
+
+        Polls the cheap line count and parses the log only once it holds enough spans: parsing a log of
+        thousands of spans every 20 ms holds the GIL long enough to starve an exporter thread of the
+        same process (the test then times out waiting for spans the exporter has no time to send)."""
+
+        def arrived() -> list[ParsedSpan] | None:
+            if self.span_count() < len(span_ids):
+                return None
+            spans = self.spans()
+            return spans if {s.span_id for s in spans} >= span_ids else None
+
+        return wait_until(arrived, timeout, interval=0.1, what=what)
+
     def __enter__(self) -> Rotel:
         return self.start()
 

@@ -190,7 +190,7 @@ def test_collector_killed_and_restarted_nothing_lost(tmp_path, collector):
         ids_first, parent_first, _ = expected_ids(first)
         ids_second, parent_second, _ = expected_ids(second)
         ids = ids_first | ids_second
-        wait_until(lambda: {s.span_id for s in collector.spans()} >= ids, 60, what="every span after restart")
+        collector.wait_for_spans(ids, 60, what="every span after restart")
     finally:
         counters = exporter.shutdown(timeout=10)
     logged = collector.spans()
@@ -268,7 +268,7 @@ def test_cli_follow_exports_and_stops_cleanly_on_sigterm(tmp_path, collector):
     command = [sys.executable, "-m", "llmobs.cli", "otlp", "--db", str(db), "--config", str(conf), "--follow"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until(lambda: {s.span_id for s in collector.spans()} >= ids, 30, what="spans from --follow")
+        collector.wait_for_spans(ids, 30, what="spans from --follow")
         wait_until(
             lambda: "llmobs.tokens" in parse_metrics(collector.text()), 30, what="metrics from --follow"
         )
