@@ -16,6 +16,9 @@ from llmobs.pipeline.correlate import correlate
 from llmobs.store import DuckDBStore, schema, synthetic
 from llmobs.store.perfetto import PROBE_TRACK_BASE, REQUEST_TRACK_BASE
 
+from tests.unit.interleaved_steps import REQUESTS as INTERLEAVED
+from tests.unit.interleaved_steps import interleaved_steps
+
 
 @pytest.fixture(scope="module")
 def db(tmp_path_factory):
@@ -151,3 +154,25 @@ def test_export_errors_are_one_line(tmp_path, capsys):
     assert main(["export", "--parquet", str(tmp_path), "--since", "5"]) == ExitCode.STORE_ERROR
     err = capsys.readouterr().err
     assert err.count("error: ") == 3 and "Traceback" not in err
+
+
+def test_perfetto_gives_each_interleaved_served_request_one_whole_track(tmp_path):
+    """Served requests whose steps interleave across passes (one joining late): one track per request,
+    holding every step of it in order, whichever row of each pass it was."""
+    db = tmp_path / "i.duckdb"
+    with DuckDBStore(db) as store:
+        store.append({"token_steps": interleaved_steps(88)})
+        correlate(store.connection)
+    path = tmp_path / "interleaved.json"
+    assert main(["export", "--db", str(db), "--perfetto", str(path), "-q"]) == 0
+    events = _load(path)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    tracks: dict[int, list[tuple[int, int]]] = {}
+    for e in events:
+        if e.get("cat") == "token":
+            tracks.setdefault(e["tid"], []).append((e["args"]["step"], e["args"]["step_seq"]))
+    assert len(tracks) == len(INTERLEAVED)
+    by_trace = {names[tid].split()[1]: steps for tid, steps in tracks.items()}
+    for _, trace, tenant, passes in INTERLEAVED.values():
+        assert by_trace[trace[:12]] == list(enumerate(passes)), trace
+        assert any(n.startswith(f"request {trace[:12]} {tenant}/") for n in names.values())

@@ -10,6 +10,9 @@ from llmobs.report import plot
 from llmobs.report import text as report
 from llmobs.store.sink import DuckDBStore
 
+from tests.unit.interleaved_steps import PASSES, SLOW_PASS, interleaved_steps, pass_start_ns
+from tests.unit.interleaved_steps import REQUESTS as INTERLEAVED
+
 PID = 321
 MS = 1_000_000
 
@@ -121,3 +124,39 @@ def test_report_lists_the_tokens_the_loss_detectors_flagged(tmp_path):
     assert "request 2 step 5 'F': loss 3.000 vs the request's median 2.000" in section
     assert "flagged by mad, ttest (score 9.5)" in section and "GPU/host: UNUSUAL page faults" in section
     assert f"llmobs-agent explain --db /x/r.duckdb --trace {trace[:16]} --step 5" in section
+
+
+def test_report_keeps_each_interleaved_served_request_whole(tmp_path):
+    """Served requests whose steps interleave across passes (one joining late) are one request each, with
+    every step in its order and whichever row of the pass it was; per-step sections count a pass once."""
+    rows = interleaved_steps(PID)
+    aggregates = {
+        k: [] for k in ("pid", "step_seq", "probe", "count", "sum_value", "sum_duration_ns", "ts_ns")
+    }
+    for seq in range(1, PASSES + 1):  # 40 allocations per pass, 400 in the slow one
+        for k, v in (("pid", PID), ("step_seq", seq), ("probe", "alloc_cpu"),
+                     ("count", 400 if seq == SLOW_PASS else 40), ("sum_value", 64), ("sum_duration_ns", 0),
+                     ("ts_ns", pass_start_ns(seq))):  # fmt: skip
+            aggregates[k].append(v)
+    with DuckDBStore(tmp_path / "i.duckdb") as store:
+        store.append({"token_steps": rows, "probe_aggregates": aggregates})
+        correlate(store.connection)
+        requests = report.load_requests(store.connection, decode=chr)
+        text = report.build_report(store.connection, decode=chr, requests=requests)
+    # in the order of their first pass (a and b: 1, c: 3), each with all its steps
+    expected = [(trace, tenant, list(passes)) for _, trace, tenant, passes in INTERLEAVED.values()]
+    got = [(r.trace_id, r.tenant, [t.step_seq for t in r.tokens]) for r in requests]
+    assert got == expected
+    assert all([t.step for t in r.tokens] == list(range(len(r.tokens))) for r in requests)
+    assert "Request 3/3" in text and "Request 4/" not in text
+    assert [line for line in text.splitlines() if "generated:" in line] == [
+        "  generated: 'ABCD'",
+        "  generated: 'ABCD'",
+        "  generated: 'ABC'",
+    ]
+    # pass 5 (rows of b and c) is the slowest step once, not once per row, and the probes average passes
+    slow = text.split("Slowest steps")[1].split("Probes per step")[0]
+    assert slow.count("30.0 ms =") == 1 and "request 2 step 3 'D': 30.0 ms" in slow
+    assert f"over {PASSES} token steps" in text
+    alloc = next(line for line in text.split("Probes per step")[1].splitlines() if "alloc_cpu" in line)
+    assert alloc.split()[2:5] == [f"{(40 * 5 + 400) / PASSES:,.1f}", "40", "400"]

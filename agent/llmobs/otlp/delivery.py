@@ -50,6 +50,11 @@ _CONFIG_ERRORS = (
 )
 
 
+# How often a follow loop forgets the export state of rows retention removed (ExportCursor.prune): two
+# DELETEs, each with a min() over a table, so not every poll.
+PRUNE_INTERVAL_S = 60.0
+
+
 class ExportFailed(LlmobsError):
     exit_code = 12
     default_hint = (
@@ -105,6 +110,7 @@ class OtlpExporter:
         self._same_boot = newest is None or newest <= clock.monotonic_ns()
         self._last_metrics_ns = clock.monotonic_ns()
         self._metrics_dirty = False
+        self._last_prune_ns = clock.monotonic_ns()
         self._thread: threading.Thread | None = None
 
     # -- one batch -------------------------------------------------------------------------------------
@@ -220,6 +226,17 @@ class OtlpExporter:
             self.counters.last_error = result.error
         return result
 
+    def _maybe_prune(self, force: bool = False) -> None:
+        """Forget the export state of rows retention removed, at most every PRUNE_INTERVAL_S."""
+        now = clock.monotonic_ns()
+        if force or now - self._last_prune_ns >= PRUNE_INTERVAL_S * 1e9:
+            self._last_prune_ns = now
+            try:
+                self.cursor.prune()
+            except duckdb.Error as exc:  # bookkeeping only: the export goes on, the next prune retries
+                self.counters.last_error = f"store: {str(exc).splitlines()[0]}"
+                log.error("%s", self.counters.last_error)
+
     def run(self, follow: bool = False, give_up_after_s: float | None = 60.0) -> ExportCounters:
         """One-shot (export everything, flush open requests, send metrics) or follow until `shutdown`."""
         if follow:
@@ -227,6 +244,7 @@ class OtlpExporter:
                 try:
                     self.export_pending(follow=True)
                     self.maybe_send_metrics()
+                    self._maybe_prune()
                 except ExportFailed as exc:  # keep the rows; try again later, loudly
                     log.error("%s", exc)
                     self.backoff.wait()
@@ -240,6 +258,7 @@ class OtlpExporter:
         give_up = None if give_up_after_s is None else clock.monotonic_ns() + int(give_up_after_s * 1e9)
         self.export_pending(follow=False, give_up_at_ns=give_up)
         self.maybe_send_metrics(force=True)
+        self._maybe_prune(force=True)
         remaining = self.cursor.pending_steps()
         if remaining and not self.stop.is_set():
             raise ExportFailed(

@@ -414,8 +414,8 @@ class TraceEncoder:
                 _T_SCOPE_SPANS_SPAN + wire.varint_bytes(len(raw)) + raw
             )
             request_model.setdefault(req["pid"], req["model_id"])
-        if batch.served:
-            for row in batch.served:
+        if batch.served or batch.unfinished:
+            for row in (*batch.served, *batch.unfinished):
                 raw = request_span(self.ids, row, self.wall_offset_ns, self.operation).SerializeToString()
                 requests_of.setdefault(row["pid"], []).append(
                     _T_SCOPE_SPANS_SPAN + wire.varint_bytes(len(raw)) + raw
@@ -434,7 +434,7 @@ class TraceEncoder:
             scope_spans = b"".join(parts)
             resource_spans = _field(1, resource.SerializeToString()) + _field(2, scope_spans)
             out.append(_field(1, resource_spans))
-        return EncodedTraces(b"".join(out), steps.num_rows + len(batch.requests) + len(batch.served))
+        return EncodedTraces(b"".join(out), batch.span_count)
 
     # -- token-step spans, in bulk -------------------------------------------------------------------
 

@@ -11,6 +11,12 @@ parent is the caller's span (parent_span_id); the prompt-hash stays the attribut
 trace-id mode "random" (traces unlinkable across stores) a caller's trace is not joined: the span gets the
 keyed-hash trace id and no parent, like every other span of that mode.
 
+A request the engine had not finished when the export's final flush ran (detach, one-shot) has no end
+row; its span is built from its token steps instead (served_rows.unfinished): the same span id, first
+step to last step, `llmobs.request.unfinished` true, no finish reason, status unset, and none of what only
+the end row knows (prompt tokens, queue/TTFT/TPOT, the caller's parent span id). When its end row arrives
+(a later export over the same store) the complete span goes out with the same id (docs/otlp.md).
+
 The rows come from llmobs.otlp.served_rows (which of them the collector has not acknowledged yet).
 """
 
@@ -55,7 +61,8 @@ def joins_caller(ids, row: Mapping[str, object]) -> bool:
 
 
 def request_span(ids, row: Mapping[str, object], wall_offset_ns: int, operation: str) -> Span:
-    """The request span of one request-end row. `ids`: the exporter's llmobs.otlp.encoder.SpanIds."""
+    """The request span of one request-end row, or of an unfinished request's steps (`unfinished`
+    true: served_rows.unfinished). `ids`: the exporter's llmobs.otlp.encoder.SpanIds."""
     pid, trace_hex, seq = int(row["pid"]), str(row["trace_id"] or ""), int(row["request_seq"])
     span = Span()
     span.trace_id = ids.trace_id(pid, trace_hex)  # prompt mode: the id itself (the caller's, if joined)
@@ -68,7 +75,8 @@ def request_span(ids, row: Mapping[str, object], wall_offset_ns: int, operation:
     start = int(row["t_start_ns"] or row["t_end_ns"])
     span.start_time_unix_nano = start + wall_offset_ns
     span.end_time_unix_nano = max(int(row["t_end_ns"]), start) + wall_offset_ns
-    reason = row["finish_reason"] or ""
+    reason = row.get("finish_reason") or ""
+    unfinished = bool(row.get("unfinished"))
     a = span.attributes
     set_attribute(a, "gen_ai.operation.name", operation)
     set_attribute(a, "gen_ai.provider.name", PROVIDER)
@@ -76,8 +84,9 @@ def request_span(ids, row: Mapping[str, object], wall_offset_ns: int, operation:
     set_attribute(a, "gen_ai.response.model", row["model_id"] or None)
     set_attribute(a, "gen_ai.response.id", row["request_id"] or None)
     set_attribute(a, "gen_ai.conversation.id", row["session"] or None)
-    set_attribute(a, "gen_ai.usage.input_tokens", int(row["prompt_tokens"] or 0))
-    set_attribute(a, "gen_ai.usage.output_tokens", int(row["decoded_tokens"] or 0))
+    if not unfinished:  # its prompt tokens are on the end row only
+        set_attribute(a, "gen_ai.usage.input_tokens", int(row["prompt_tokens"] or 0))
+    set_attribute(a, "gen_ai.usage.output_tokens", int(row["decoded_tokens"] or 0))  # so far, if unfinished
     if reason:
         kv = a.add()
         kv.key = "gen_ai.response.finish_reasons"
@@ -85,6 +94,11 @@ def request_span(ids, row: Mapping[str, object], wall_offset_ns: int, operation:
     set_attribute(a, "llmobs.request.id", row["request_id"] or None)  # the engine's own id
     set_attribute(a, "llmobs.request_seq", seq)
     set_attribute(a, "llmobs.tenant", row["tenant"] or None)
+    if unfinished:
+        # what only the end row knows (the prompt hash of a caller's trace, whether it joined one, the
+        # timings and cache figures) is left out rather than guessed
+        set_attribute(a, "llmobs.request.unfinished", True)
+        return span
     if ids.mode == "prompt":  # in random mode it would undo the unlinking
         set_attribute(a, "llmobs.prompt_hash", str(row["prompt_hash"] or trace_hex))
     set_attribute(a, "llmobs.trace_from_caller", bool(row.get("trace_from_caller")))

@@ -15,6 +15,7 @@ Tables this module owns (created with CREATE TABLE IF NOT EXISTS; documented in 
 - otlp_requests: per (pid, trace_id), the request aggregates accumulated from exported steps, and
   whether its request span went out. A request span is sent once the request is closed (no new step
   for `request_idle_s`, or on a one-shot export's final flush).
+- otlp_served_sent: the served requests' spans sent (llmobs.otlp.served_rows), finished or not.
 - otlp_state: key/value; holds the salt of the per-request random trace ids (so a retried or resumed
   export gives the same ids).
 
@@ -206,6 +207,7 @@ class StepBatch:
     folded: dict[tuple[int, str], dict] = field(default_factory=dict)  # the steps' request aggregates
     advance: dict[int, tuple[int, int, int, int, int]] = field(default_factory=dict)  # pid -> cursor row
     served: list[dict] = field(default_factory=list)  # request_events 'end' rows: their spans (otlp.served)
+    unfinished: list[dict] = field(default_factory=list)  # served requests without an end row (final flush)
     _rows: list[dict] | None = field(default=None, repr=False)
 
     @property
@@ -216,7 +218,7 @@ class StepBatch:
 
     @property
     def span_count(self) -> int:
-        return self.step_table.num_rows + len(self.requests) + len(self.served)
+        return self.step_table.num_rows + len(self.requests) + len(self.served) + len(self.unfinished)
 
     def only(self, keep) -> StepBatch:
         """The part of this batch whose trace `keep(trace_id_hex)` accepts (for 1/N trace sampling)."""
@@ -246,6 +248,7 @@ class StepBatch:
             self.folded,
             self.advance,
             [r for r in self.served if kept(r["trace_id"] or "")],
+            [r for r in self.unfinished if kept(r["trace_id"] or "")],
         )
 
 
@@ -396,7 +399,11 @@ class ExportCursor:
         last_seq = max((row[4] for row in advance.values()), default=self.position())
         requests = self._closed_requests(folded, limit, request_idle_ns, now_ns, flush and drained, last_seq)
         served = self.served.pending(limit, cutoff_ns)
+        # The final flush also gives the served requests the engine has not finished their span, so that
+        # their step spans do not point at one that never comes (served_rows._UNFINISHED).
+        unfinished = self.served.unfinished(limit, last_seq) if flush and drained else []
         pids = set(advance) | {r["pid"] for r in requests} | {r["pid"] for r in served}
+        pids |= {r["pid"] for r in unfinished}
         return StepBatch(
             table,
             events,
@@ -409,6 +416,7 @@ class ExportCursor:
             folded,
             advance,
             served,
+            unfinished,
         )
 
     def _closed_requests(
@@ -492,6 +500,7 @@ class ExportCursor:
                 finally:
                     conn.unregister("_otlp_fold")
             self.served.mark_sent(batch.served, now)
+            self.served.mark_unfinished(batch.unfinished, now)
             conn.execute("COMMIT")
         except Exception:
             conn.execute("ROLLBACK")
@@ -501,11 +510,13 @@ class ExportCursor:
             self._position = max(self._position, *(row[4] for row in batch.advance.values()))
 
     def prune(self) -> int:
-        """Forget exported requests older than anything left in token_steps (retention removed them)."""
-        return self.conn.execute(
+        """Forget exported requests older than anything left in token_steps (retention removed them), and
+        the sent marks of served requests whose rows are gone (served_rows._PRUNE); the rows deleted."""
+        requests = self.conn.execute(
             "DELETE FROM otlp_requests WHERE exported"
             " AND t_end_ns < (SELECT coalesce(min(t_start_ns), 0) FROM token_steps)"
         ).fetchall()[0][0]
+        return int(requests) + self.served.prune()
 
 
 def _request_rows(folded: dict[tuple[int, str], dict], sent: list[dict]) -> list[dict]:

@@ -16,7 +16,9 @@ from statistics import median
 
 import duckdb
 
+from llmobs.store import schema
 from llmobs.store.schema import probe_class
+from llmobs.store.views import LEGACY_REQUEST_KEY, REQUEST_KEY, REQUEST_SEQ_VERSION
 
 # What a probe's excess over the median step means, in words (by probe class, see probe_class).
 _WHY = {
@@ -62,6 +64,7 @@ class Request:
     tenant: str
     session: str
     model_id: str
+    key: int = 0  # its request key (views.REQUEST_KEY): with pid and trace id, which request it is
     tokens: list[Token] = field(default_factory=list)
 
     @property
@@ -70,13 +73,20 @@ class Request:
         return sum(losses) / len(losses) if losses else math.nan
 
 
+# Per request (pid, trace id, request key: views.REQUEST_KEY) its tokens, requests in the order of their
+# first forward pass: a served request's steps interleave with other requests' across passes, so neither
+# step_seq - step nor consecutive rows say which request a step is. A generate() request shows batch row
+# 0 (its other rows are other prompts of the same call); a served request (request_seq <> 0) is its own
+# row in every pass, whichever row number the pass gave it.
 _STEPS_SQL = """
-SELECT t.pid, t.trace_id, t.tenant, t.session, t.model_id, t.step_seq, t.step, t.position, t.token_id,
-    t.loss, t.entropy, t.target_prob, t.latency_ns, t.t_start_ns, r.allocations, r.alloc_bytes, r.off_cpu_ns,
-    r.page_faults, r.compute_calls
-FROM token_steps t LEFT JOIN step_rollups r USING (pid, step_seq)
-WHERE coalesce(t.batch_row, 0) = 0
-ORDER BY t.pid, t.step_seq - coalesce(t.step, 0), t.step
+SELECT t.pid, t.trace_id, t.tenant, t.session, t.model_id, t.request_key, t.step_seq, t.step, t.position,
+    t.token_id, t.loss, t.entropy, t.target_prob, t.latency_ns, t.t_start_ns, r.allocations, r.alloc_bytes,
+    r.off_cpu_ns, r.page_faults, r.compute_calls
+FROM (
+    SELECT *, {key} AS request_key, min(step_seq) OVER (PARTITION BY pid, trace_id, {key}) AS first_seq
+    FROM token_steps WHERE coalesce(batch_row, 0) = 0 OR {served}
+) t LEFT JOIN step_rollups r USING (pid, step_seq)
+ORDER BY t.pid, t.first_seq, t.trace_id, t.request_key, t.step
 """
 _PROBES_SQL = """
 SELECT pid, step_seq, probe, sum(count), sum(sum_value), sum(sum_duration_ns)
@@ -103,9 +113,13 @@ def load_requests(
         (pid, seq): (int(n), 0, int(ns)) for pid, seq, n, ns in conn.execute(_MAIN_OFFCPU_SQL).fetchall()
     }
     requests: list[Request] = []
-    for row in conn.execute(_STEPS_SQL).fetchall():
-        pid, trace, tenant, session, model = row[:5]
-        token = Token(pid, *row[5:])
+    if schema.current_version(conn) >= REQUEST_SEQ_VERSION:
+        steps_sql = _STEPS_SQL.format(key=REQUEST_KEY, served="coalesce(request_seq, 0) <> 0")
+    else:  # older than request_seq (read-only, not migrated): generate() requests only
+        steps_sql = _STEPS_SQL.format(key=LEGACY_REQUEST_KEY, served="false")
+    for row in conn.execute(steps_sql).fetchall():
+        pid, trace, tenant, session, model, key = row[:6]
+        token = Token(pid, *row[6:])
         token.loss = math.nan if token.loss is None else float(token.loss)
         token.probes = dict(probes.get((pid, token.step_seq), {}))
         if main_offcpu:  # the main thread's own off-CPU time, where the events say it (0 if none)
@@ -113,13 +127,8 @@ def load_requests(
             token.off_cpu_ns = token.probes[MAIN_OFFCPU][2]
         token.text = decode(token.token_id) if decode else f"#{token.token_id}"
         last = requests[-1] if requests else None
-        new_request = (
-            last is None
-            or (last.pid, last.trace_id) != (pid, trace)
-            or token.step_seq - token.step != last.tokens[0].step_seq - last.tokens[0].step
-        )
-        if new_request:
-            requests.append(Request(pid, trace, tenant or "", session or "", model or ""))
+        if last is None or (last.pid, last.trace_id, last.key) != (pid, trace, key):
+            requests.append(Request(pid, trace, tenant or "", session or "", model or "", key))
         requests[-1].tokens.append(token)
     return requests
 
@@ -211,8 +220,24 @@ def why_slow(token: Token, median_latency: float, medians: dict[str, tuple[float
     return [text for _, text in reasons]
 
 
+def _step_tokens(requests: list[Request]) -> list[Token]:
+    """The tokens the per-step sections count: each of a generate() request's, but of a served forward
+    pass only its first row's. The rows of a served pass are tokens of different requests that share the
+    pass's latency and probe totals, so counting each would count the pass once per row."""
+    seen: set[tuple[int, int]] = set()
+    tokens = []
+    for request in requests:
+        for token in request.tokens:
+            if request.key < 0:  # served (views.REQUEST_KEY: -request_seq)
+                if (token.pid, token.step_seq) in seen:
+                    continue
+                seen.add((token.pid, token.step_seq))
+            tokens.append(token)
+    return tokens
+
+
 def slowest_section(requests: list[Request], limit: int = SLOWEST) -> list[str]:
-    tokens = [t for r in requests for t in r.tokens]
+    tokens = _step_tokens(requests)
     if not tokens:
         return []
     owner = {id(t): (i, r) for i, r in enumerate(requests) for t in r.tokens}
@@ -237,7 +262,7 @@ def _per_step_value(probe: str, value: float) -> str:
 
 
 def probes_section(requests: list[Request]) -> list[str]:
-    tokens = [t for r in requests for t in r.tokens]
+    tokens = _step_tokens(requests)
     names = sorted({p for t in tokens for p in t.probes})
     if not names:
         return ["Probes per step: none recorded (no probe hit during the token steps)"]
@@ -276,7 +301,8 @@ def surprising_section(
         flagged = conn.execute(_ANOMALIES_SQL).fetchall()
     except duckdb.Error:  # a store from before the anomalies columns (migration 4): nothing to show
         return []
-    where = {(t.pid, t.step_seq): (i, r, t) for i, r in enumerate(requests) for t in r.tokens}
+    # a served pass has one token of each of its requests: the trace id says whose was flagged
+    where = {(t.pid, t.step_seq, r.trace_id): (i, r, t) for i, r in enumerate(requests) for t in r.tokens}
     db_flag = f" --db {db}" if db else ""
     lines = [
         f"Surprising tokens ({len(flagged)} flagged live by the loss detectors: t-test and median/MAD of "
@@ -285,7 +311,7 @@ def surprising_section(
     if not flagged:
         return [*lines, "  none: no token's loss stood out from its request's earlier tokens"]
     for pid, step_seq, trace_id, detectors, score, evidence in flagged[:limit]:
-        found = where.get((pid, step_seq))
+        found = where.get((pid, step_seq, trace_id))
         if found is None:
             continue
         index, request, token = found

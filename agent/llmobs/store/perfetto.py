@@ -1,7 +1,8 @@
 """PerfettoWriter: a time window of the store as Chrome trace-event JSON, which the Perfetto UI opens.
 
 Tracks, per process (pid):
-- one track per request (trace id): each token step is a slice, with loss, entropy and the work its
+- one track per request (pid, trace id, views.REQUEST_KEY: a served request's steps interleave with
+  others' across passes): each token step is a slice, with loss, entropy and the work its
   forward pass did in the slice's args;
 - one track per probe: sampled probe events, as slices when they have a duration, else instants;
 - off-CPU intervals (sched_switch) as slices on the thread's own track (tid);
@@ -20,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import duckdb
+
+from llmobs.store import schema
+from llmobs.store.views import LEGACY_REQUEST_KEY, REQUEST_KEY, REQUEST_SEQ_VERSION
 
 # Synthetic track ids live above Linux's largest pid (2^22) so they never collide with a real tid.
 REQUEST_TRACK_BASE = 1 << 22
@@ -80,6 +84,12 @@ def _finite(value):
     return None if isinstance(value, float) and value != value else value
 
 
+def _request_key(conn: duckdb.DuckDBPyConnection) -> str:
+    """The request key of a token step (views.REQUEST_KEY); a store older than request_seq (opened
+    read-only, so not migrated) holds generate() requests only and gets their key."""
+    return REQUEST_KEY if schema.current_version(conn) >= REQUEST_SEQ_VERSION else LEGACY_REQUEST_KEY
+
+
 def write_perfetto(
     conn: duckdb.DuckDBPyConnection,
     path: Path | str,
@@ -114,16 +124,18 @@ def write_perfetto(
 
         # Request tracks and token-step slices, ordered by request so each track is written in one run.
         request_tracks: dict[tuple[int, str, int], int] = {}
-        steps_sql = """
+        steps_sql = f"""
             SELECT t.*, r.launches, r.allocations, r.alloc_bytes, r.frees, r.off_cpu_ns, r.page_faults,
                    r.compute_calls, r.gpu_ns
-            FROM token_steps t LEFT JOIN step_rollups r USING (pid, step_seq)
-            WHERE t.t_end_ns >= ? AND t.t_start_ns <= ?
-            ORDER BY t.pid, t.trace_id, t.step_seq - coalesce(t.step, 0), t.step
+            FROM (SELECT *, {_request_key(conn)} AS request_key FROM token_steps
+                  WHERE t_end_ns >= ? AND t_start_ns <= ?) t
+            LEFT JOIN step_rollups r USING (pid, step_seq)
+            ORDER BY t.pid, t.trace_id, t.request_key, t.step
         """
         for row in _rows(conn, steps_sql, [lo, hi]):
-            # A request is (pid, trace id, its first token's pass): the trace id repeats with the prompt.
-            key = (row["pid"], row["trace_id"], row["step_seq"] - (row["step"] or 0))
+            # A request is (pid, trace id, request key): the trace id repeats with the prompt, and a served
+            # request's steps interleave with other requests' across passes (views.REQUEST_KEY).
+            key = (row["pid"], row["trace_id"], row["request_key"])
             tid = request_tracks.get(key)
             if tid is None:
                 name_process(row["pid"])
