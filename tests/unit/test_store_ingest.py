@@ -66,6 +66,23 @@ def test_decoder_rejects_other_record_layouts():
     assert EventDecoder(NAMES).decode(np.zeros(0, dtype=EVENT_DTYPE)) == {}
 
 
+def test_parts_decode_exactly_as_their_concatenation():
+    # The writer decodes held drains together (no concatenation copy): same tables, same row order, as
+    # one decode of the concatenated records, whatever the parts (a strided view, an empty drain).
+    records = _records(3000, seed=11)
+    strided = _records(1400, seed=12)[::2]
+    parts = [records[:1000], np.zeros(0, dtype=EVENT_DTYPE), strided, records[1000:]]
+    decoder = EventDecoder(NAMES, sample_ratio=3)
+    together = decoder.decode_parts(parts)
+    concatenated = decoder.decode(np.concatenate(parts))
+    assert set(together) == set(concatenated) == {"mem_events", "gpu_ops", "host_events"}
+    for table, expected in concatenated.items():
+        assert together[table].equals(expected), table
+    assert decoder.decode_parts([np.zeros(0, dtype=EVENT_DTYPE)] * 2) == {}
+    with pytest.raises(TypeError):
+        decoder.decode_parts([records, np.zeros(3, dtype=[("a", "<u8")])])
+
+
 def test_the_bpf_layers_own_tables_append_as_they_are(tmp_path):
     # What `attach --out` writes today (records.md columns, unsigned types, hex trace ids) goes in unchanged.
     from llmobs.bpf.output import aggregates_table

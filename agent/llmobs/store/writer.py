@@ -8,11 +8,12 @@ falls steeply with commit size (measured on this VM, one core: ~1.2 M rows/s at 
 items, never part of a commit. When the queue is full the item is dropped and counted, like the kernel
 counts ring drops: a slow disk costs data, not the workload's or the drain's time.
 
-Items are held as submitted and converted once per table per commit (ring records concatenated and
-decoded in one call, dicts of numpy columns concatenated column by column): at a slowly stepping target
-the pipeline hands ~25 tiny items a second, and converting each on arrival (~0.4-0.5 ms of numpy and
-Arrow setup apiece) cost more than the rows. Held raw rows are converted as soon as they reach
-CONVERT_ROWS, so a fast source never holds more than that unconverted (a bounded concatenation copy).
+Items are held as submitted and converted once per table per commit (ring records decoded together in
+one call, EventDecoder.decode_parts, with no concatenation copy; dicts of numpy columns concatenated
+column by column): at a slowly stepping target the pipeline hands ~25 tiny items a second, and
+converting each on arrival (~0.4-0.5 ms of numpy and Arrow setup apiece) cost more than the rows. Held
+raw rows are converted as soon as they reach CONVERT_ROWS, so a fast source never holds more than that
+unconverted (a bounded copy).
 """
 
 from __future__ import annotations
@@ -235,7 +236,7 @@ class _Pending:
         records = [item for item in items if isinstance(item, np.ndarray)]
         by_table: dict[str, list] = {}
         if records:
-            decoded = self.writer.decoder.decode(records[0] if len(records) == 1 else np.concatenate(records))
+            decoded = self.writer.decoder.decode_parts(records)  # no concatenation copy
             for table, data in decoded.items():
                 by_table.setdefault(table, []).append(data)
         for item in items:
