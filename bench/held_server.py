@@ -9,27 +9,15 @@ with HeldServer("--model", "tiny") as server:       # returns once it serves: se
 
 from __future__ import annotations
 
-import json
 import os
-import select
 import signal
 import subprocess
 import sys
 import tempfile
 
+from bench.ready_pipe import read_json_line
+
 START_TIMEOUT = 300.0  # a first run saves the model into the cache: an upper bound, not a pace
-
-
-def read_json_line(fd: int, timeout: float) -> dict:
-    """The server's next status line on its --ready-fd pipe (bounded wait)."""
-    data = b""
-    while not data.endswith(b"\n"):
-        readable, _, _ = select.select([fd], [], [], timeout)
-        assert readable, "the server did not report in time"
-        chunk = os.read(fd, 4096)
-        assert chunk, "the server exited before it reported"
-        data += chunk
-    return json.loads(data.decode().splitlines()[-1])
 
 
 class HeldServer:
@@ -63,7 +51,7 @@ class HeldServer:
         )  # fmt: skip
         os.close(ready_w)
         try:
-            self.ready = read_json_line(self._ready_r, self.start_timeout)
+            self.ready = read_json_line(self._ready_r, self.start_timeout, who="the server")
         except AssertionError as exc:
             if self.proc.poll() is None:
                 self.proc.kill()
@@ -81,7 +69,7 @@ class HeldServer:
         """SIGTERM, then (exit status, the "done" line or None if it wrote none)."""
         self.proc.send_signal(signal.SIGTERM)
         try:
-            done = read_json_line(self._ready_r, timeout)
+            done = read_json_line(self._ready_r, timeout, who="the server")
         except AssertionError:
             done = None
         return self.proc.wait(timeout=timeout), done

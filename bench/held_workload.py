@@ -10,26 +10,16 @@ with HeldWorkload("--model", "tiny", "--requests", "6") as workload:   # returns
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import select
 import subprocess
 import sys
 from pathlib import Path
 
+from bench.ready_pipe import read_json_line
+
+__all__ = ["HeldWorkload", "read_json_line"]  # tests and benchmarks import the reader from here too
+
 WORKLOAD = Path(__file__).resolve().parents[1] / "scripts" / "workload.py"
-
-
-def read_json_line(fd: int, timeout: float = 60.0) -> dict:
-    """The workload's next status line on its --ready-fd pipe (bounded wait)."""
-    data = b""
-    while not data.endswith(b"\n"):
-        readable, _, _ = select.select([fd], [], [], timeout)
-        assert readable, "the workload did not report within the timeout"
-        chunk = os.read(fd, 4096)
-        assert chunk, "the workload exited early"
-        data += chunk
-    return json.loads(data.decode().splitlines()[-1])
 
 
 class HeldWorkload:

@@ -153,7 +153,7 @@ Default: 0.01. Read by: the daemon's settings.
 """
 
 LLMOBS_OVERHEAD_COST_SCALE = "LLMOBS_OVERHEAD_COST_SCALE"
-"""overhead.cost_scale: the calibrated per-hit probe costs are multiplied by this.
+"""overhead.cost_scale: the starting value of each target's learned factor over the calibrated probe costs.
 
 Default: 2.3. Read by: the daemon's settings.
 """

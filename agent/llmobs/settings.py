@@ -387,9 +387,10 @@ SETTINGS: tuple[Setting, ...] = (
         "--cost-scale",
         _float_between(0.0, 100.0, low_open=True),
         "a number in (0, 100]",
-        "the calibrated per-hit probe costs are multiplied by this (hits cost more in a workload)",
+        "the starting value (prior) of the in-situ factor over the calibrated per-hit probe costs; the"
+        " governor then learns each target's factor from its own sheds and restores (within [0.5, 8])",
         metavar="X",
-        flag_help="multiply the calibrated probe costs by X",
+        flag_help="the prior of the learned probe-cost factor: each target starts at X",
     ),
     Setting(
         "daemon.run_dir",

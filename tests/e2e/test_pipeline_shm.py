@@ -16,19 +16,11 @@ import numpy as np
 from llmobs.pipeline import Pipeline, read_snapshots
 from llmobs.store.sink import DuckDBStore
 
+from bench.ready_pipe import read_json_line
+
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
 REQUESTS, TOKENS = 5, 6
-
-
-def _line(fd: int, timeout: float = 90.0) -> dict:
-    data = b""
-    while not data.endswith(b"\n"):
-        readable, _, _ = select.select([fd], [], [], timeout)
-        assert readable, "the workload did not report in time"
-        chunk = os.read(fd, 4096)
-        assert chunk, "the workload exited early"
-        data += chunk
-    return json.loads(data)
+READY_TIMEOUT_S = 90.0  # loading the tiny model on a busy 2-core VM: an upper bound, not a pace
 
 
 def test_map_to_store_without_bpf(tmp_path, monkeypatch):
@@ -43,11 +35,11 @@ def test_map_to_store_without_bpf(tmp_path, monkeypatch):
     )  # fmt: skip
     os.close(ready_w)
     try:
-        assert _line(ready_r)["phase"] == "ready"
+        assert read_json_line(ready_r, READY_TIMEOUT_S)["phase"] == "ready"
         pipeline = Pipeline(DuckDBStore(tmp_path / "s.duckdb"), workload.pid, owns_store=True)
         workload.stdin.write(b"go\n")
         workload.stdin.flush()
-        assert _line(ready_r)["phase"] == "done"
+        assert read_json_line(ready_r, READY_TIMEOUT_S)["phase"] == "done"
         deadline = time.monotonic() + 30
         while pipeline.live.tokens < REQUESTS * TOKENS and time.monotonic() < deadline:
             pipeline.poll()
@@ -94,8 +86,8 @@ def test_close_before_any_poll_still_stores_the_maps_steps(tmp_path):
     )  # fmt: skip
     os.close(ready_w)
     try:
-        assert _line(ready_r)["phase"] == "ready"
-        assert _line(ready_r)["phase"] == "done"
+        assert read_json_line(ready_r, READY_TIMEOUT_S)["phase"] == "ready"
+        assert read_json_line(ready_r, READY_TIMEOUT_S)["phase"] == "done"
         pipeline = Pipeline(DuckDBStore(tmp_path / "s.duckdb"), workload.pid, owns_store=True, snapshot=False)
         summary = pipeline.close()
     finally:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 from fractions import Fraction
 
 import pyarrow as pa
@@ -28,8 +27,8 @@ from llmobs.pipeline.live import WINDOW_S, LiveStats  # noqa: E402
 from llmobs.shm.reader import ShmReader  # noqa: E402
 from llmobs.store import DuckDBStore  # noqa: E402
 
+from tests.unit.continuous_batching import cb_configs, serve_two_tenants, tiny_llama  # noqa: E402
 from tests.unit.publisher_fixtures import isolated_writer, tiny_gpt2  # noqa: E402
-from tests.unit.test_serving_cb import TIMEOUT_S, _configs, tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.unit
 PROBES = ("alloc_cpu", "sgemm", "sched_switch", "cuLaunchKernel")
@@ -113,34 +112,11 @@ def _assert_shares_add_up(store: DuckDBStore) -> int:
 def _serve_two_tenants(model):
     """Two tenants' requests through the real manager, the second pair added while the first decodes;
     long prompts (> the 8-token batch budget) are prefilled in chunks."""
-    gen, cb = _configs(6, page_size=4, max_batch_tokens=8, num_blocks=64)
+    gen, cb = cb_configs(6, page_size=4, max_batch_tokens=8, num_blocks=64)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     early = {"a0": list(range(1, 14)), "a1": [20, 21, 22]}
     late = {"b0": list(range(60, 71)), "b1": [30, 31, 32, 33], "b2": [30, 31, 32, 33]}  # b1, b2: same prompt
-
-    def add(tenant, requests, streaming=False):
-        with llmobs.context(tenant=tenant, session=f"{tenant}-s"):
-            for request_id, prompt in requests.items():
-                manager.add_request(prompt, request_id=request_id, streaming=streaming)
-
-    manager.start()
-    try:
-        client = threading.Thread(target=add, args=("tenant-a", early, True))
-        client.start()
-        client.join()
-        first = manager.get_result(request_id="a0", timeout=TIMEOUT_S)
-        assert first is not None
-        client = threading.Thread(target=add, args=("tenant-b", late))
-        client.start()
-        client.join()
-        done = {}
-        while len(done) < 5:
-            result = manager.get_result(timeout=TIMEOUT_S)
-            assert result is not None, "the engine stopped answering"
-            if result.is_finished():
-                done[result.request_id] = result
-    finally:
-        manager.stop(block=True)
+    _, done = serve_two_tenants(manager, early, late, session_suffix="-s")
     return done
 
 

@@ -183,6 +183,48 @@ def test_export_to_an_unwritable_output_hints_at_the_output_not_the_store(tmp_pa
     assert "--perfetto" in hint and "--db" not in hint
 
 
+def test_export_since_without_perfetto_is_a_usage_error_from_the_console_script(tmp_path) -> None:
+    """The window applies to the Perfetto trace only: without --perfetto the real entry point says so
+    with exit 2 (it once exited 11, as if the store were at fault), whatever the store."""
+    result = subprocess.run(
+        [sys.executable, "-m", "llmobs.cli", "export", "--db", str(tmp_path / "none.duckdb"),
+         "--parquet", str(tmp_path / "p"), "--since", "1200000000000"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert (result.returncode, result.stdout) == (ExitCode.USAGE, "")
+    assert result.stderr.splitlines() == [
+        "error: --since/--until apply to --perfetto only",
+        "hint: add --perfetto FILE, or drop --since/--until",
+    ]
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize(
+    "args, error, hint",
+    [
+        (
+            ["--requests", "0"],
+            "error: --requests and --max-new-tokens must be at least 1",
+            "hint: e.g. --requests 2",
+        ),
+        (
+            ["--profile", "nosuch"],
+            "error: unknown profile(s) nosuch; choose from cpu, gemm, mem, host, cuda or all",
+            "hint: see `llmobs-agent demo --help`",
+        ),
+    ],
+)
+def test_demo_argument_mistakes_are_usage_errors_said_before_anything_runs(
+    tmp_path, capsys, args, error, hint
+):
+    """demo's bad arguments are the project's UsageError (exit 2, an error and a hint line), refused
+    before the privilege check, the bcc import or the output directory."""
+    out = tmp_path / "demo"
+    assert cli.main(["demo", *args, "--out", str(out)]) == ExitCode.USAGE
+    assert _two_lines(capsys.readouterr().err) == (error, hint)
+    assert not out.exists()
+
+
 def test_a_map_of_random_bytes_is_not_an_llmobs_map_and_a_version_mismatch_is(tmp_path) -> None:
     import os
     import struct

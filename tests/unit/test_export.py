@@ -145,15 +145,44 @@ def test_perfetto_window_keeps_only_overlapping_steps_and_events(db, tmp_path):
     assert timed and all(since / 1000 <= e["ts"] <= until / 1000 for e in timed)
 
 
-def test_export_errors_are_one_line(tmp_path, capsys):
-    assert (
-        main(["export", "--db", str(tmp_path / "none.duckdb"), "--parquet", str(tmp_path)])
-        == ExitCode.STORE_ERROR
-    )
-    assert main(["export", "--db", str(tmp_path / "none.duckdb")]) == ExitCode.STORE_ERROR
-    assert main(["export", "--parquet", str(tmp_path), "--since", "5"]) == ExitCode.STORE_ERROR
+def test_export_of_a_missing_store_is_a_store_error(tmp_path, capsys):
+    missing = tmp_path / "none.duckdb"
+    assert main(["export", "--db", str(missing), "--parquet", str(tmp_path / "p")]) == ExitCode.STORE_ERROR
     err = capsys.readouterr().err
-    assert err.count("error: ") == 3 and "Traceback" not in err
+    assert err.startswith(f"error: no store at {missing}") and err.count("error: ") == 1
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "args, error, hint",
+    [
+        ([], "nothing to export", "give --parquet DIR and/or --perfetto FILE"),
+        (
+            ["--parquet", "{tmp}/p", "--since", "5"],
+            "--since/--until apply to --perfetto only",
+            "add --perfetto FILE, or drop --since/--until",
+        ),
+        (
+            ["--parquet", "{tmp}/p", "--until", "5"],
+            "--since/--until apply to --perfetto only",
+            "add --perfetto FILE, or drop --since/--until",
+        ),
+        (
+            ["--perfetto", "{tmp}/t.json", "--since", "9", "--until", "5"],
+            "--until 5 is before --since 9",
+            "swap the two times",
+        ),
+    ],
+)
+def test_export_argument_mistakes_are_usage_errors(tmp_path, capsys, args, error, hint):
+    """Exit 2 with one error and one hint line, said before the store is opened: the --db named here
+    does not exist, so a store error (11) would mean the arguments were checked too late."""
+    argv = ["export", "--db", str(tmp_path / "none.duckdb"), *(a.format(tmp=tmp_path) for a in args)]
+    assert main(argv) == ExitCode.USAGE == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"error: {error}\nhint: {hint}\n"
+    assert not (tmp_path / "p").exists() and not (tmp_path / "t.json").exists()
 
 
 def test_perfetto_gives_each_interleaved_served_request_one_whole_track(tmp_path):

@@ -199,11 +199,18 @@ class MapInfo:
     name: str
 
 
-def map_info(fd: int) -> MapInfo:
-    info = ct.create_string_buffer(96)
+def _obj_info(fd: int, info_bytes: int, what: str) -> ct.Array:
+    """BPF_OBJ_GET_INFO_BY_FD into a zeroed buffer of `info_bytes` (struct bpf_map_info or
+    bpf_prog_info; the kernel fills what fits and leaves the rest zero)."""
+    info = ct.create_string_buffer(info_bytes)
     attr = _attr()
     struct.pack_into("<IIQ", attr, 0, fd, len(info), ct.addressof(info))
-    _call(OBJ_GET_INFO_BY_FD, attr, "BPF_OBJ_GET_INFO_BY_FD (map)")
+    _call(OBJ_GET_INFO_BY_FD, attr, f"BPF_OBJ_GET_INFO_BY_FD ({what})")
+    return info
+
+
+def map_info(fd: int) -> MapInfo:
+    info = _obj_info(fd, 96, "map")
     kind, ident, key_size, value_size, max_entries, flags = struct.unpack_from("<6I", info, 0)
     name = info.raw[24:40].split(b"\0", 1)[0].decode(errors="replace")
     return MapInfo(kind, ident, key_size, value_size, max_entries, flags, name)
@@ -211,11 +218,7 @@ def map_info(fd: int) -> MapInfo:
 
 def prog_id(fd: int) -> int:
     """The kernel id of a loaded program (what bpftool shows)."""
-    info = ct.create_string_buffer(256)
-    attr = _attr()
-    struct.pack_into("<IIQ", attr, 0, fd, len(info), ct.addressof(info))
-    _call(OBJ_GET_INFO_BY_FD, attr, "BPF_OBJ_GET_INFO_BY_FD (program)")
-    return struct.unpack_from("<I", info, 4)[0]
+    return struct.unpack_from("<I", _obj_info(fd, 256, "program"), 4)[0]
 
 
 # ---- programs -----------------------------------------------------------------------------------------

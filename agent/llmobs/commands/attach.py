@@ -47,8 +47,9 @@ OVERHEAD_BUDGET = flag(
 )
 COST_SCALE = flag(
     "overhead.cost_scale",
-    help="multiply the calibrated per-hit probe costs by X (default: the factor measured here, 2.3: a "
-    "hit inside a workload costs more than in the calibration's loop; docs/governor.md)",
+    help="the prior of the factor over the calibrated per-hit probe costs (default 2.3, measured here: a "
+    "hit inside a workload costs more than in the calibration's loop); the governor starts at X and "
+    "learns the factor from its own sheds and restores (docs/governor.md)",
 )
 SETTING_FLAGS = (PROFILE, SAMPLE, SAMPLE_MODE, IOCTL_PATHS, OVERHEAD_BUDGET, COST_SCALE)
 

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmobs.errors import ExitCode, LlmobsError, MissingLibrary
+from llmobs.errors import ExitCode, LlmobsError, MissingLibrary, UsageError
 
 TENANTS = "acme,globex"
 # the generation workload, run as `python -m` in a child: it is package code, so an installed agent has it
@@ -45,13 +45,13 @@ OTLP_GIVE_UP_S = 15.0  # the demo ends rather than wait long on an unreachable c
 
 
 class DemoFailed(LlmobsError):
-    """The demo could not run: its workload exited early or never got ready, or bad arguments."""
+    """The demo could not run: its workload exited early or never got ready (bad arguments are a
+    UsageError, exit 2, like every command's)."""
 
     exit_code = ExitCode.FAILURE
 
 
-class DemoUsage(DemoFailed):
-    exit_code = ExitCode.USAGE
+HINT = "see `llmobs-agent demo --help`"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -219,17 +219,17 @@ def _preflight(args: argparse.Namespace) -> tuple[str, ...]:
         args.requests = 2 if args.serve else 4
     args.tenant_list = tuple(t.strip() for t in args.tenants.split(",") if t.strip())
     if args.requests < 1 or args.max_new_tokens < 1:
-        raise DemoUsage("--requests and --max-new-tokens must be at least 1", hint="e.g. --requests 2")
+        raise UsageError("--requests and --max-new-tokens must be at least 1", hint="e.g. --requests 2")
     if args.clients < 1:
-        raise DemoUsage(f"--clients {args.clients}: at least 1 client thread", hint="e.g. --clients 4")
+        raise UsageError(f"--clients {args.clients}: at least 1 client thread", hint="e.g. --clients 4")
     if not args.tenant_list:
-        raise DemoUsage(f"--tenants {args.tenants!r} names no tenant", hint=f"e.g. --tenants {TENANTS}")
+        raise UsageError(f"--tenants {args.tenants!r} names no tenant", hint=f"e.g. --tenants {TENANTS}")
     if args.profile is None:
         args.profile = ",".join(DEFAULT_PROFILES) if args.serve else "cpu,mem,host"
     try:
         profiles = parse_profiles(args.profile)
     except ValueError as exc:
-        raise DemoUsage(str(exc)) from None
+        raise UsageError(str(exc), hint=HINT) from None
     require_privileges(ProcFS())  # before loading anything: one clear line without root
     try:
         import bcc  # noqa: F401

@@ -22,7 +22,7 @@ import numpy as np
 
 from llmobs.diagnostics import evidence as evidence_mod
 from llmobs.diagnostics.detectors import DetectorConfig, score_sequence
-from llmobs.errors import ExitCode, LlmobsError, NotTracked
+from llmobs.errors import NotTracked, UsageError
 from llmobs.store import default_db_path
 from llmobs.store.sink import DuckDBStore
 
@@ -32,12 +32,6 @@ STEP_COLUMNS = (
     "target_prob", "target_rank", "top1_prob", "latency_ns", "t_start_ns", "t_end_ns", "batch_row",
     "tenant", "session", "model_id",
 )  # fmt: skip
-
-
-class UsageError(LlmobsError):
-    """The arguments do not name exactly one token step."""
-
-    exit_code = ExitCode.USAGE
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import duckdb
 
-from llmobs.errors import StoreError
+from llmobs.errors import StoreError, UsageError
 from llmobs.store import default_db_path, schema
 from llmobs.store.perfetto import write_perfetto
 from llmobs.store.sink import DuckDBStore
@@ -27,8 +27,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--db", help=f"the store (default: $LLMOBS_DB or {default_db_path()})")
     parser.add_argument("--parquet", metavar="DIR", help="write one Parquet file per table into DIR")
     parser.add_argument("--perfetto", metavar="FILE", help="write a Chrome trace-event JSON for Perfetto")
-    parser.add_argument("--since", type=int, metavar="NS", help="--perfetto: from this CLOCK_MONOTONIC ns")
-    parser.add_argument("--until", type=int, metavar="NS", help="--perfetto: up to this CLOCK_MONOTONIC ns")
+    parser.add_argument(
+        "--since", type=int, metavar="NS", help="--perfetto only: from this CLOCK_MONOTONIC ns"
+    )
+    parser.add_argument(
+        "--until", type=int, metavar="NS", help="--perfetto only: up to this CLOCK_MONOTONIC ns"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -70,12 +74,17 @@ def export_parquet(conn: duckdb.DuckDBPyConnection, directory: Path, report) -> 
 
 
 def run(args: argparse.Namespace) -> int:
+    # Argument mistakes are usage errors (exit 2), checked before the store is opened. The window is
+    # Perfetto's alone: Parquet is the whole of every table (cutting rows by time would split requests
+    # and forward passes that straddle the bounds), so --since/--until without --perfetto is refused.
     if not args.parquet and not args.perfetto:
-        raise StoreError("nothing to export", hint="give --parquet DIR and/or --perfetto FILE")
+        raise UsageError("nothing to export", hint="give --parquet DIR and/or --perfetto FILE")
     if (args.since is not None or args.until is not None) and not args.perfetto:
-        raise StoreError("--since/--until apply to --perfetto only", hint="add --perfetto FILE, or drop them")
+        raise UsageError(
+            "--since/--until apply to --perfetto only", hint="add --perfetto FILE, or drop --since/--until"
+        )
     if args.since is not None and args.until is not None and args.until < args.since:
-        raise StoreError(f"--until {args.until} is before --since {args.since}", hint="swap the two times")
+        raise UsageError(f"--until {args.until} is before --since {args.since}", hint="swap the two times")
     report = _progress(args.quiet)
     with DuckDBStore(args.db or default_db_path(), read_only=True) as store:
         try:
