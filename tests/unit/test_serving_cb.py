@@ -19,58 +19,23 @@ from llmobs.publisher import request as publisher  # noqa: E402
 from llmobs.shm.hashing import trace_hex, trace_id, trace_words  # noqa: E402
 from llmobs.shm.reader import ShmReader  # noqa: E402
 
+from tests.unit.continuous_batching import (  # noqa: E402
+    TIMEOUT_S,
+    cb_configs,
+    read_map,
+    rows_by_request,
+    serve_two_tenants,
+    teacher_forced_losses,
+    tiny_llama,
+)
 from tests.unit.publisher_fixtures import isolated_writer  # noqa: E402
 
 pytestmark = pytest.mark.unit
-TIMEOUT_S = 120  # the engine thread answers within this (a hung engine fails the test, it never sleeps it)
 
 
 @pytest.fixture
 def shm(tmp_path):
     yield from isolated_writer(tmp_path)
-
-
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256)  # fmt: skip
-    config._attn_implementation = "sdpa"  # paged SDPA: the continuous-batching path that runs on a CPU
-    return LlamaForCausalLM(config).eval()
-
-
-def _configs(max_new_tokens: int, **cb):
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-
-    gen = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    return gen, ContinuousBatchingConfig(**cb)
-
-
-def _read(shm_dir):
-    with ShmReader(os.getpid(), shm_dir=str(shm_dir)) as r:
-        steps = r.read_steps(0)
-        events = r.read_request_events(0)
-    assert steps.lost == 0 and steps.corrupt == 0 and events.corrupt == 0
-    return steps.rows(), [{k: events.columns[k][i] for k in events.columns} for i in range(len(events))]
-
-
-def _by_request(rows):
-    out: dict[str, list[dict]] = {}
-    for row in rows:
-        out.setdefault(row["request_id"], []).append(row)
-    return out
-
-
-def _teacher_forced_losses(model, prompt, generated) -> np.ndarray:
-    """-log p(generated[k] | prompt + generated[:k]) from one ordinary forward pass (no paged cache)."""
-    ids = torch.tensor([list(prompt) + list(generated)])
-    with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
-    p = len(prompt)
-    return np.array([-lp[p - 1 + k, t].item() for k, t in enumerate(generated)])
 
 
 def _check_request(model, steps, prompt, generated):
@@ -83,7 +48,7 @@ def _check_request(model, steps, prompt, generated):
     assert {r["trace_id"] for r in steps} == {trace_hex(*trace_words(trace_id(prompt)))}
     assert all(r["tokens_in_pass"] == 1 for r in steps[1:])
     assert [r["step_seq"] for r in steps] == sorted({r["step_seq"] for r in steps})  # one step per pass
-    np.testing.assert_allclose([r["loss"] for r in steps], _teacher_forced_losses(model, prompt, generated),
+    np.testing.assert_allclose([r["loss"] for r in steps], teacher_forced_losses(model, prompt, generated),
                                atol=1e-4, rtol=0)  # fmt: skip
 
 
@@ -91,14 +56,14 @@ def test_generate_batch_publishes_every_token_of_every_request(shm):
     model = tiny_llama()
     llmobs.instrument(model, model_id="tiny-llama")
     prompts = [[1, 2, 3, 4], [5, 6, 7], [8, 9, 10, 11, 12]]
-    gen, cb = _configs(6)
+    gen, cb = cb_configs(6)
     errors = publisher.errors
     with llmobs.context(tenant="acme", session="s1"):
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
     assert publisher.errors == errors
-    rows, events = _read(shm)
+    rows, events = read_map(shm)
     assert len(rows) == sum(len(o.generated_tokens) for o in out.values()) == 18
-    by_request = _by_request(rows)
+    by_request = rows_by_request(rows)
     for request_id, result in out.items():
         _check_request(model, by_request[request_id], result.prompt_ids, result.generated_tokens)
         first = min(by_request[request_id], key=lambda r: r["step"])
@@ -119,7 +84,7 @@ def test_the_store_takes_the_new_columns_and_request_events(shm, tmp_path):
 
     model = tiny_llama()
     llmobs.instrument(model, model_id="tiny-llama")
-    gen, cb = _configs(3, page_size=4, max_batch_tokens=6, num_blocks=64)
+    gen, cb = cb_configs(3, page_size=4, max_batch_tokens=6, num_blocks=64)
     with llmobs.context(tenant="t1"):
         model.generate_batch(
             [list(range(1, 10)), [40, 41]], generation_config=gen, continuous_batching_config=cb
@@ -160,36 +125,14 @@ def test_requests_added_mid_batch_from_two_tenants(shm):
     repeats a finished block reuses it (prefix sharing)."""
     model = tiny_llama()
     llmobs.instrument(model, model_id="tiny-llama")
-    gen, cb = _configs(8, page_size=4, max_batch_tokens=8, num_blocks=64)
+    gen, cb = cb_configs(8, page_size=4, max_batch_tokens=8, num_blocks=64)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     early = {"a0": list(range(1, 11)), "a1": [20, 21, 22]}
     late = {"b0": list(range(1, 9)) + [50, 51, 52], "b1": [30, 31, 32, 33]}
-
-    def add(tenant, requests, streaming=False):
-        with llmobs.context(tenant=tenant, session=f"{tenant}-session"):
-            for request_id, prompt in requests.items():
-                manager.add_request(prompt, request_id=request_id, streaming=streaming)
-
-    manager.start()
-    try:
-        client = threading.Thread(target=add, args=("tenant-a", early, True))
-        client.start()
-        client.join()
-        first = manager.get_result(request_id="a0", timeout=TIMEOUT_S)  # a0 is decoding now
-        assert first is not None and not first.is_finished()
-        client = threading.Thread(target=add, args=("tenant-b", late))
-        client.start()
-        client.join()
-        results = {}
-        while len(results) < 4:
-            result = manager.get_result(timeout=TIMEOUT_S)
-            assert result is not None, "the engine stopped answering"
-            if result.is_finished():
-                results[result.request_id] = result
-    finally:
-        manager.stop(block=True)
-    rows, events = _read(shm)
-    by_request = _by_request(rows)
+    first, results = serve_two_tenants(manager, early, late)
+    assert not first.is_finished()  # a0 was decoding when the late requests came
+    rows, events = read_map(shm)
+    by_request = rows_by_request(rows)
     prompts = {**early, **late}
     for request_id, result in results.items():
         assert result.error is None
@@ -219,7 +162,7 @@ def test_requests_added_mid_batch_from_two_tenants(shm):
 def test_cancelled_and_failed_requests_keep_their_committed_steps(shm):
     model = tiny_llama()
     llmobs.instrument(model)
-    gen, cb = _configs(200)
+    gen, cb = cb_configs(200)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     fail = threading.Event()
 
@@ -237,22 +180,30 @@ def test_cancelled_and_failed_requests_keep_their_committed_steps(shm):
             assert result is not None
             seen[result.request_id] = result
         manager.cancel_request("cancel-me")
+
+        def next_of_fail_me():
+            # get_result(request_id=...) answers None when another request's output is first in the queue:
+            # a token of cancel-me from the pass in flight when it was cancelled may still come, skip it
+            while True:
+                out = manager.get_result(timeout=TIMEOUT_S)
+                assert out is not None, "the engine stopped answering"
+                if out.request_id == "fail-me":
+                    return out
+
         while True:  # fail-me keeps streaming; cancel-me's end comes with the next scheduled pass
-            result = manager.get_result(request_id="fail-me", timeout=TIMEOUT_S)
-            assert result is not None
+            result = next_of_fail_me()
             if len(result.generated_tokens) >= 4:
                 break
         handle = model.register_forward_pre_hook(broken_forward, with_kwargs=True)
         fail.set()
         while not result.is_finished():
-            result = manager.get_result(request_id="fail-me", timeout=TIMEOUT_S)
-            assert result is not None
+            result = next_of_fail_me()
         handle.remove()
     finally:
         manager.stop(block=True)
     assert result.error is not None
-    rows, events = _read(shm)
-    by_request = _by_request(rows)
+    rows, events = read_map(shm)
+    by_request = rows_by_request(rows)
     ends = {e["request_id"]: e for e in events if e["kind"] == "end"}
     assert ends["cancel-me"]["finish_reason"] == "cancelled"
     assert ends["fail-me"]["finish_reason"] == "error"
@@ -265,7 +216,7 @@ def test_cancelled_and_failed_requests_keep_their_committed_steps(shm):
 
 def test_instrument_manager_is_idempotent_and_removable(shm):
     model = tiny_llama()
-    gen, cb = _configs(2)
+    gen, cb = cb_configs(2)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     adapter = llmobs.serving.instrument_manager(manager)
     assert llmobs.serving.instrument_manager(manager) is adapter
@@ -273,3 +224,45 @@ def test_instrument_manager_is_idempotent_and_removable(shm):
     adapter.remove()
     assert manager.input_queue.put != put and "put" not in manager.input_queue.__dict__
     assert getattr(manager, "_llmobs_serving", None) is None
+
+
+def test_a_pass_is_published_before_the_engine_delivers_its_tokens(shm):
+    """When the engine hands a pass's outputs to the clients, that pass's token steps (and the end record
+    of a request it finished) are already in the map: a client that received its last token and then
+    stops the agent finds every step of it. Published after the delivery (as before), the last pass
+    raced the client: bench.serving counted 252 token steps for 253 tokens the clients received."""
+    import queue
+
+    model = tiny_llama()
+    llmobs.instrument(model, model_id="tiny-llama")
+    gen, cb = cb_configs(5)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    delivered: list[tuple[str, int, bool, int, bool]] = []
+
+    class AtDelivery(queue.Queue):
+        """The engine thread puts each output here as it delivers it: what the map holds at that moment."""
+
+        def put(self, item, *args, **kwargs):
+            rows, events = read_map(shm)
+            steps = sum(r["request_id"] == item.request_id for r in rows)
+            ended = any(e["kind"] == "end" and e["request_id"] == item.request_id for e in events)
+            delivered.append((item.request_id, len(item.generated_tokens), item.is_finished(), steps, ended))
+            super().put(item, *args, **kwargs)
+
+    manager.output_router.output_queue = AtDelivery()
+    manager.start()
+    try:
+        for request_id, prompt in {"r0": [1, 2, 3, 4], "r1": [5, 6, 7], "r2": [8, 9]}.items():
+            manager.add_request(prompt, request_id=request_id, streaming=True)
+        finished = set()
+        while len(finished) < 3:
+            result = manager.get_result(timeout=TIMEOUT_S)
+            assert result is not None, "the engine stopped answering"
+            if result.is_finished():
+                finished.add(result.request_id)
+    finally:
+        manager.stop(block=True)
+    assert len(delivered) == 15  # streaming: one output per generated token
+    for request_id, tokens, is_finished, steps, ended in delivered:
+        assert steps == tokens, (request_id, tokens, steps)  # every token it received is a step already
+        assert ended == is_finished, (request_id, tokens)  # and its end record, with its last one

@@ -11,6 +11,10 @@ No source file of transformers is changed: methods of the manager's own objects 
   pass_logits;
 - ContinuousBatchProcessor.update_batch: which rows' states gained a generated token -> pass_end
   (in the asynchronous mode the update of pass N runs after pass N+1 was launched: passes are queued);
+  published when the update hands its outputs to the OutputRouter (deliver / deliver_batch), before any
+  client can see a token of the pass, else when the update returns: a client that received its last
+  token finds all its token steps and its end record in the map already (published after the delivery,
+  the last pass raced the client, and an agent stopped right then missed its steps);
 - Scheduler.finish_request, Scheduler.clear_cancelled_requests and OutputRouter.fail_and_deliver: the
   request's end (stop | length | cancelled | error) with the KV-cache blocks it held -> request_finished.
 
@@ -60,6 +64,7 @@ class TransformersAdapter:
         self._inflight: collections.deque = collections.deque()
         self._ending: list[tuple[str, str, int]] = []  # (request id, reason, kv blocks) awaiting the update
         self._in_update = False
+        self._updating = None  # the in-flight entry of the running update, until its steps are published
         self._busy = False  # a pass was begun since the context cell was last cleared
         self._processors: set[int] = set()
         self._hook = None
@@ -90,6 +95,8 @@ class TransformersAdapter:
         self._wrap(m.input_queue, "put", self._wrap_put)
         self._wrap(m, "_create_batch_processor", self._wrap_create)
         self._wrap(m.output_router, "fail_and_deliver", self._wrap_fail)
+        self._wrap(m.output_router, "deliver", self._wrap_deliver)
+        self._wrap(m.output_router, "deliver_batch", self._wrap_deliver)
         self._hook = m.model.register_forward_hook(self._forward_hook, with_kwargs=True)
         if getattr(m, "batch_processor", None) is not None:  # warmed up (or kept) before we came
             self._instrument_processor(m.batch_processor)
@@ -197,16 +204,38 @@ class TransformersAdapter:
 
     def _wrap_update(self, update):
         def wrapped(*args, **kwargs):
-            entry = self._inflight.popleft() if self._inflight else None
+            self._updating = self._inflight.popleft() if self._inflight else None
             self._in_update = True
             try:
                 return update(*args, **kwargs)
             finally:
                 self._in_update = False
-                self._end(entry)
-                self._flush_endings()
+                self._publish_update()  # if no delivery did (a pass of prefill chunks only delivers nothing)
 
         return wrapped
+
+    def _wrap_deliver(self, deliver):
+        def wrapped(*args, **kwargs):
+            self._before_delivery()
+            return deliver(*args, **kwargs)
+
+        return wrapped
+
+    @_safe
+    def _before_delivery(self) -> None:
+        """What a client will see must be in the map first. In an update the engine has committed every
+        token of the pass when it delivers: its token steps, then the ends of the requests it finished;
+        outside one (a failed request) the end record it is owed."""
+        if self._in_update:
+            self._publish_update()
+        elif self._ending:
+            self._flush_endings()
+
+    def _publish_update(self) -> None:
+        """The running update's token steps, then the request ends it collected; once per update."""
+        entry, self._updating = self._updating, None
+        self._end(entry)
+        self._flush_endings()
 
     @_safe
     def _end(self, entry) -> None:
@@ -261,8 +290,8 @@ class TransformersAdapter:
     def _wrap_fail(self, fail):
         def wrapped(state, error, *args, **kwargs):
             kv = _safe(self._blocks_anywhere)(state.request_id) or 0
+            self._ending.append((state.request_id, "error", kv))  # published by its delivery, in `fail`
             result = fail(state, error, *args, **kwargs)
-            self._ending.append((state.request_id, "error", kv))
             if not self._in_update:
                 self._flush_endings()
             return result
