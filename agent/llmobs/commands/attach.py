@@ -333,6 +333,12 @@ def _print_degrades(counts: dict, stream) -> None:
         )
     if parts:
         print("degraded to save CPU: " + "; ".join(parts), file=stream)
+    if counts.get("store_headroom_retries"):
+        print(
+            f"store: {counts['store_headroom_retries']:,} statement(s) ran out of the DuckDB memory cap and"
+            " were run again with more (store/sink.py HEADROOM_MEMORY_LIMIT)",
+            file=stream,
+        )
 
 
 def _say_swept(removed: int) -> None:

@@ -13,6 +13,7 @@ went where.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -379,7 +380,7 @@ class Pipeline:
                 # run re-rolls the last LATE_NS, so what lands late is counted then.
                 began = run_began = STAGES.now()
                 try:
-                    correlate(conn, since_ns=since, pid=self.pid)
+                    self.store.with_headroom(functools.partial(correlate, conn, since_ns=since, pid=self.pid))
                     self.correlate_runs += 1
                     with self._since_lock:
                         self._unrolled_since, self._last_rolled_ns = None, previous
@@ -458,8 +459,9 @@ class Pipeline:
             # its own cursor: in a daemon other pipelines' writers share the store's connection
             conn = self.store.connection.cursor()
             # re-roll only the tail the incremental runs may have missed; report the whole session
-            summary.final_correlate = correlate(
-                conn, since_ns=self._final_since(session_since), pid=self.pid, report_since_ns=session_since
+            since = self._final_since(session_since)
+            summary.final_correlate = self.store.with_headroom(
+                lambda: correlate(conn, since_ns=since, pid=self.pid, report_since_ns=session_since)
             )
         except Exception as exc:
             self.correlate_errors += 1

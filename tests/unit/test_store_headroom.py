@@ -1,0 +1,47 @@
+"""DuckDBStore.with_headroom: a statement that runs out of the store's memory cap runs once more with the
+cap raised, and the cap is back afterwards (real DuckDB, a real file)."""
+
+from __future__ import annotations
+
+import duckdb
+import pytest
+from llmobs.stagecpu import STAGES
+from llmobs.store.sink import DuckDBStore
+
+# ~47 MB of text in one aggregate state: more than a 16MB cap holds, far less than the headroom
+BIG = "SELECT length(string_agg(i::VARCHAR, ',')) FROM range(6000000) t(i)"
+
+
+def _limit(conn) -> str:
+    return conn.execute("SELECT current_setting('memory_limit')").fetchall()[0][0]
+
+
+def test_out_of_memory_is_run_again_with_headroom_and_the_cap_restored(tmp_path):
+    store = DuckDBStore(tmp_path / "s.duckdb", memory_limit="16MB", threads=1)
+    try:
+        conn = store.connection.cursor()
+        capped = _limit(conn)
+        with pytest.raises(duckdb.OutOfMemoryException):  # the premise: the cap alone is not enough
+            conn.execute(BIG).fetchall()
+        before = STAGES.snapshot()["counts"].get("store_headroom_retries", 0)
+        assert store.with_headroom(lambda: conn.execute(BIG).fetchall()) == [(46_888_889,)]
+        assert store.headroom_retries == 1
+        assert STAGES.snapshot()["counts"]["store_headroom_retries"] == before + 1
+        assert _limit(conn) == capped  # back to the cap for everything after
+        # a statement that fits is run once, with no retry counted
+        assert store.with_headroom(lambda: conn.execute("SELECT 42").fetchall()) == [(42,)]
+        assert store.headroom_retries == 1
+    finally:
+        store.close()
+
+
+def test_without_a_cap_of_ours_the_error_stands(tmp_path):
+    store = DuckDBStore(tmp_path / "s.duckdb", threads=1)
+    try:
+        conn = store.connection.cursor()
+        conn.execute("SET memory_limit = '16MB'")  # someone else's cap: not ours to raise
+        with pytest.raises(duckdb.OutOfMemoryException):
+            store.with_headroom(lambda: conn.execute(BIG).fetchall())
+        assert store.headroom_retries == 0
+    finally:
+        store.close()
