@@ -235,9 +235,13 @@ def parse_spans(text: str) -> list[ParsedSpan]:
     return spans
 
 
+POINT_VALUE = "@value"  # the key of a sum or gauge point's value in its parse_metrics dict
+
+
 def parse_metrics(text: str) -> dict[str, dict]:
     """name -> {"points": [data point attribute dicts], "exemplars": [(trace_id, span_id)], "unit": str}
-    from the metric part of rotel's detailed debug log (the last report of each name wins)."""
+    from the metric part of rotel's detailed debug log (the last report of each name wins). A sum or
+    gauge point's dict also holds its value under POINT_VALUE."""
     metrics: dict[str, dict] = {}
     current: dict | None = None
     section = None
@@ -264,6 +268,9 @@ def parse_metrics(text: str) -> dict[str, dict]:
         elif line.startswith("Exemplar #"):
             exemplar = {}
             section = "exemplar"
+        elif line.startswith("Value: ") and section in ("point", "point-attributes") and current["points"]:
+            current["points"][-1][POINT_VALUE] = float(line.split(":", 1)[1])  # a number point's value
+            section = "point-value"
         elif section == "point-attributes" and (match := _ATTR.match(line)):
             current["points"][-1][match.group(1).strip()] = _value(match.group(2), match.group(3))
         elif section == "exemplar" and exemplar is not None and stripped.startswith("-> "):

@@ -152,7 +152,7 @@ def served(tmp_path_factory):
     from test_attach import Agent
 
     from bench.held_server import HeldServer
-    from bench.rotel_harness import Rotel
+    from bench.rotel_harness import Rotel, parse_metrics
 
     tmp = tmp_path_factory.mktemp("serving-acceptance")
     db = tmp / "store.duckdb"
@@ -169,10 +169,12 @@ def served(tmp_path_factory):
             model_dir = server.model
         collector.stop()  # SIGTERM: rotel logs everything it acknowledged
         spans = collector.spans()
+        metrics = parse_metrics(collector.text())
     assert code == 0, agent_log
     assert status == 0
     assert [r["error"] for r in records] == [None] * len(records), records
-    return {"db": db, "records": records, "spans": spans, "agent_log": agent_log, "model_dir": model_dir}
+    return {"db": db, "records": records, "spans": spans, "metrics": metrics, "agent_log": agent_log,
+            "model_dir": model_dir}  # fmt: skip
 
 
 def _rows(conn, sql: str, params=()) -> list[dict]:
@@ -370,3 +372,25 @@ def _teacher_forced(job: dict) -> list[dict]:
 
 if __name__ == "__main__":
     print(json.dumps(_teacher_forced(json.load(sys.stdin))))
+
+
+def test_per_tenant_compute_metrics_in_rotel_equal_the_store(served):
+    """The last llmobs.tenant.* points the collector got (sent at detach, after the final correlate) are
+    the store's pass_shares summed by tenant."""
+    import duckdb
+    from llmobs.otlp.tenant_compute import METRICS
+
+    from bench.rotel_harness import POINT_VALUE
+
+    conn = duckdb.connect(str(served["db"]), read_only=True)
+    columns = ", ".join(f"coalesce(sum({column}), 0)" for _, column, _, _, _ in METRICS)
+    rows = conn.execute(f"SELECT tenant, {columns} FROM pass_shares GROUP BY 1").fetchall()
+    expected = {tenant: values for tenant, *values in rows}
+    conn.close()
+    assert sorted(expected) == sorted({r["tenant"] for r in served["records"]})
+    for index, (name, _column, scale, unit, _description) in enumerate(METRICS):
+        metric = served["metrics"][name]
+        assert metric["unit"] == unit
+        got = {p["llmobs.tenant"]: p[POINT_VALUE] for p in metric["points"]}
+        assert got == pytest.approx({t: v[index] * scale for t, v in expected.items()}, rel=1e-12, abs=1e-12)
+    assert all(v[0] > 0 for v in expected.values())  # every tenant was charged CPU time

@@ -33,6 +33,7 @@ from llmobs.otlp.config import OtlpConfig
 from llmobs.otlp.encoder import SpanIds, TraceEncoder
 from llmobs.otlp.metrics import MetricsAggregator
 from llmobs.otlp.source import ExportCursor, StepBatch
+from llmobs.otlp.tenant_compute import TenantCompute
 from llmobs.otlp.transport import SendResult, Transport, make_transport
 
 log = logging.getLogger("llmobs.otlp")
@@ -105,6 +106,7 @@ class OtlpExporter:
         self.encoder = TraceEncoder(self.ids, offset, config.service_name, config.resource_attributes)
         resource = {k: v for k, v in self.encoder.resource(0, {}, None).items() if k != "process.pid"}
         self.metrics = MetricsAggregator(self.ids, offset, clock.realtime_ns(), resource)
+        self.metrics.tenant_compute = TenantCompute(self.cursor.conn, self.metrics.tenants, offset)
         newest = self.cursor.newest_step_ns()
         # Settling by the agent's clock only makes sense for a store written on this boot.
         self._same_boot = newest is None or newest <= clock.monotonic_ns()

@@ -120,6 +120,7 @@ class MetricsAggregator:
         self.agent_points: list = []
         self.agent_dirty = False
         self.tenants = genai_metrics.TenantCap()  # llmobs.tenant values of the served-request histograms
+        self.tenant_compute = None  # a tenant_compute.TenantCompute over the exporter's store, if set
 
     def set_agent_metrics(self, points: list) -> None:
         """llmobs.agent.* points (gauges, cumulative sums) sent with the next metrics request."""
@@ -326,6 +327,8 @@ class MetricsAggregator:
                 dp.time_unix_nano = point.time_ns  # when NVML was read, not when this was sent
                 dp.as_double = point.value
         _encode_agent_points(scope, agent_points, self.start_wall_ns, now_wall_ns)
+        if self.tenant_compute is not None:
+            self.tenant_compute.encode_into(scope, now_wall_ns)
         return request
 
 
