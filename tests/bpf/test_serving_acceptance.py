@@ -44,14 +44,9 @@ pytestmark = pytest.mark.skipif(
 TENANTS = ("tenant-a", "tenant-b")
 # max_tokens per wave: wave 0 still decodes while waves 1 and 2 arrive (see the module docstring)
 WAVE_TOKENS = (384, 24, 8)
-PROMPTS = [
-    "Explain what a GPU kernel launch is in one sentence.",
-    "Write a haiku about shared memory.",
-    "List three prime numbers.",
-    "What is continuous batching in LLM serving?",
-    "Summarise the plot of Hamlet in two sentences.",
-    "Why is the sky blue?",
-]
+from llmobs.workloads import clients  # noqa: E402
+
+PROMPTS = clients.PROMPTS  # the serving workload's own prompts
 TIMEOUT_S = 120.0  # bounds on waits for real processes, never a pace
 SHARED = ("compute_ns", "off_cpu_ns", "allocations", "alloc_bytes", "compute_calls", "launches")
 
