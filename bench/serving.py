@@ -44,6 +44,7 @@ class Agent:
 
     def __init__(self, pid: int, db: str, extra: list[str]):
         argv = [sys.executable, "-m", "llmobs.cli", "attach", "--pid", str(pid), "--db", db, *extra]
+        self.db = db
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)  # fmt: skip
         self.attached = threading.Event()
@@ -102,6 +103,9 @@ def serving_arm(name: str, server: HeldServer, args, attach: bool, store_dir: st
         finally:
             if agent is not None:
                 agent.stop()
+                if args.keep_store:  # the agent's detach summary (events by probe, CPU by stage) beside it
+                    with open(agent.db + ".log", "wb") as log:
+                        log.write(b"".join(agent.log))
         failed = [r["error"] for r in records if r["error"]]
         if failed:
             raise RuntimeError(f"{name}: {len(failed)} request(s) failed, e.g. {failed[0]}")
@@ -129,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch threads of each server (0 = torch default)")
     p.add_argument("--no-attach", action="store_true", help="leave out the attach arm (it needs root)")
     p.add_argument("--attach-args", default="", help="extra `attach` arguments, e.g. '--profile cpu'")
+    p.add_argument("--keep-store", metavar="DIR", default=None,
+                   help="keep the attach arm's stores (and each agent's stderr, .log) in DIR")  # fmt: skip
     add_json_option(p)
     return p
 
@@ -143,7 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = Report("serving", args)
     common = ["--model", args.model, "--threads", str(args.threads)]
-    store_dir = tempfile.mkdtemp(prefix="llmobs-bench-serving.")
+    store_dir = args.keep_store or tempfile.mkdtemp(prefix="llmobs-bench-serving.")
+    if args.keep_store:
+        os.makedirs(store_dir, exist_ok=True)
     try:
         with contextlib.ExitStack() as held:
             servers = [(NONE, held.enter_context(HeldServer(*common, "--no-instrument")), False),
@@ -161,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
                 better={"tokens/s": "higher", "server CPU ms/token": "lower", "TTFT p50 s": "lower"},
             )  # fmt: skip
     finally:
-        shutil.rmtree(store_dir, ignore_errors=True)
+        if not args.keep_store:
+            shutil.rmtree(store_dir, ignore_errors=True)
     report.finish()
     return 0
 
