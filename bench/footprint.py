@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from bench.harness import Report, add_json_option
-from bench.runtime import REPO, arm, ensure_baseline, otlp_collector
+from bench.runtime import REPO, arm, byte_compiled, ensure_baseline, otlp_collector
 
 PREVIOUS_RELEASE = "6bfae97"
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     baseline = ensure_baseline(args.baseline or DEFAULT_BASELINE, PREVIOUS_RELEASE)
     trees = {"before": baseline, "after": args.candidate}
+    byte_compiled(*trees.values())
     report = Report("footprint", args)
     report.note(f"before: {baseline} ({PREVIOUS_RELEASE})  after: {args.candidate}")
     opts = {"rss": {"rate": args.rate, "seconds": args.seconds, "idle_s": args.idle_s},

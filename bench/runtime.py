@@ -44,6 +44,17 @@ SHOWN = {"ingest": ["events/s", "events/CPU-s", "cpu_s"], "attach": ["first even
          "otlp": ["spans/s", "spans/CPU-s"], "tokens": ["tokens/s", "cpu_s"]}  # fmt: skip
 
 
+def byte_compiled(*trees: Path) -> None:
+    """Byte-compile each tree's agent package, as `pip install` does: a process started with
+    PYTHONDONTWRITEBYTECODE=1 (this sandbox sets it) compiles every module whose .pyc is stale on every
+    start, which a user's installed agent never does, and attach's start-up figures would carry it."""
+    import compileall
+
+    for tree in trees:
+        if not compileall.compile_dir(str(tree / "agent"), quiet=1, workers=1):
+            raise BenchError(f"byte-compiling {tree / 'agent'} failed")
+
+
 def ensure_baseline(path: Path, commit: str = BEFORE_COMMIT) -> Path:
     """The tree to compare against: `git worktree add PATH COMMIT` unless PATH already holds one."""
     if not (path / "agent" / "llmobs" / "__init__.py").exists():

@@ -42,7 +42,7 @@ from llmobs import environment
 from bench.harness import Arm, BenchError, Report, add_json_option
 from bench.procstat import cpu_seconds
 from bench.ready_child import ReadyChild
-from bench.runtime import ensure_baseline
+from bench.runtime import byte_compiled, ensure_baseline
 from bench.synthetic_publisher import SyntheticPublisher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -197,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"after": args.candidate}
     if not args.no_baseline:
         trees = {"before": ensure_baseline(args.baseline or DEFAULT_BASELINE, BASELINE_COMMIT), **trees}
+    byte_compiled(*trees.values())
     opts = {"seconds": args.seconds, "warmup": args.warmup, "batch": args.batch, "slow_rate": args.slow_rate}
     report = Report("step_cost", args)
     report.note(" ".join(f"{name}: {tree}" for name, tree in trees.items())
