@@ -147,25 +147,91 @@ class SpanIds:
         return digest if digest != _ZERO_ID else b"\x01" + digest[1:]
 
     def step_ids(
-        self, pids: list, traces: list, seqs: list, rows: list, request_seqs: list | None = None
+        self,
+        pid: np.ndarray,
+        trace: pa.Array,
+        seq: np.ndarray,
+        row: np.ndarray,
+        request: np.ndarray | None = None,
     ) -> tuple[bytes, bytes, bytes]:
-        """Trace, span and parent (request) span ids of many token steps, each kind back to back. A step
-        with a request_seq is parented by its served request's span (llmobs.otlp.served)."""
-        trace_ids, span_ids, parent_ids = [], [], []
-        requests: dict[tuple[int, str, int], bytes] = {}
-        step_span_id, trace_id = self.step_span_id, self.trace_id
-        if request_seqs is None:
-            request_seqs = [0] * len(pids)
-        for pid, trace, seq, row, request in zip(pids, traces, seqs, rows, request_seqs, strict=True):
-            parent = requests.get((pid, trace, request))
-            if parent is None:
-                parent = requests[(pid, trace, request)] = (
-                    served_span_id(pid, trace, request) if request else self.request_span_id(pid, trace)
-                )
-            trace_ids.append(trace_id(pid, trace))
-            span_ids.append(step_span_id(pid, trace, seq, row))
-            parent_ids.append(parent)
-        return b"".join(trace_ids), b"".join(span_ids), b"".join(parent_ids)
+        """Trace, span and parent (request) span ids of many token steps (columns), each kind back to
+        back. A step with a request_seq is parented by its served request's span (llmobs.otlp.served).
+
+        Trace and parent ids are made once per (pid, trace, request) and spread by index; the span id is
+        a hash per row (of a per-request prefix and the row's own numbers), the ids of step_span_id."""
+        n = len(pid)
+        if request is None:
+            request = np.zeros(n, np.int64)
+        codes, traces = string_codes(trace)
+        pid, request = pid.astype(np.int64), request.astype(np.int64)
+        inverse, one = _sorted_keys((pid, codes, request))
+        trace_of, parent_of, prefix_of = [], [], []
+        for p, code, req in zip(pid[one].tolist(), codes[one].tolist(), request[one].tolist(), strict=True):
+            text = traces[code]
+            trace_of.append(self.trace_id(p, text))
+            parent_of.append(served_span_id(p, text, req) if req else self.request_span_id(p, text))
+            prefix_of.append(f"step\x1f{p}\x1f{text}\x1f")
+        trace_ids = np.frombuffer(b"".join(trace_of), np.uint8).reshape(-1, 16)[inverse]
+        parent_ids = np.frombuffer(b"".join(parent_of), np.uint8).reshape(-1, 8)[inverse]
+        prefixes = np.array(prefix_of, dtype=object)[inverse].tolist()
+        blake2b = _blake2b
+        span_ids = bytearray(
+            b"".join(
+                [
+                    blake2b(f"{prefix}{s}\x1f{r}".encode(), digest_size=8).digest()
+                    for prefix, s, r in zip(prefixes, seq.tolist(), row.tolist(), strict=True)
+                ]
+            )
+        )
+        for zero in np.flatnonzero(np.frombuffer(span_ids, np.uint64) == 0).tolist():
+            span_ids[8 * zero] = 1  # an all-zero id is invalid in OTLP (as step_span_id)
+        return trace_ids.tobytes(), bytes(span_ids), parent_ids.tobytes()
+
+
+def string_codes(*columns) -> tuple[np.ndarray, list[str]]:
+    """Integer codes of the strings of one or more Arrow string columns (NULL as ""), one code space
+    for all of them, back to back; and the string of each code."""
+    chunks = []
+    for column in columns:
+        chunks.extend(column.chunks if isinstance(column, pa.ChunkedArray) else [column])
+    encoded = pa.chunked_array(chunks, pa.string()).fill_null("").combine_chunks().dictionary_encode()
+    return np.asarray(encoded.indices).astype(np.int64), encoded.dictionary.to_pylist()
+
+
+def key_ids(*columns: np.ndarray) -> np.ndarray:
+    """One id per distinct combination of the integer columns' values (row by row), numbered in the
+    combinations' sorted order. A lexsort of int64 columns: np.unique(axis=0) sorts a void view and
+    costs several times more."""
+    return _sorted_keys(columns)[0]
+
+
+def _sorted_keys(columns) -> tuple[np.ndarray, np.ndarray]:
+    """(each row's key id, the index of one row of each key id, in key order)."""
+    keys = [np.asarray(c).astype(np.int64, copy=False) for c in columns]
+    n = len(keys[0])
+    if n == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    order = np.lexsort(keys[::-1])  # the last key sorts first: columns[0] is the primary key
+    change = np.zeros(n, bool)
+    change[0] = True
+    for key in keys:
+        ordered = key[order]
+        change[1:] |= ordered[1:] != ordered[:-1]
+    ids = np.empty(n, np.int64)
+    ids[order] = np.cumsum(change) - 1
+    return ids, order[change]
+
+
+def _first_of(keys: np.ndarray, count: int, last: bool = False) -> np.ndarray:
+    """Per key id (0..count-1), the index of its first (or last) row; -1 where it has none."""
+    index = np.arange(len(keys), dtype=np.int64)
+    if last:
+        out = np.full(count, -1, np.int64)
+        np.maximum.at(out, keys, index)
+        return out
+    out = np.full(count, len(keys), np.int64)
+    np.minimum.at(out, keys, index)
+    return np.where(out == len(keys), -1, out)
 
 
 def set_attribute(attributes, key: str, value: object) -> None:
@@ -389,23 +455,24 @@ class TraceEncoder:
 
     def encode(self, batch: StepBatch) -> EncodedTraces:
         steps = batch.step_table
-        pids = steps.column("pid").to_pylist()
+        pid = steps.column("pid").to_numpy() if steps.num_rows else np.zeros(0, np.int64)
         # Spans are grouped by process (one ResourceSpans each) in the order processes first appear.
-        order_of_pid: dict[int, int] = {}
-        for pid in pids:
-            order_of_pid.setdefault(pid, len(order_of_pid))
-        if len(order_of_pid) > 1:
-            group = np.array([order_of_pid[p] for p in pids], dtype=np.int64)
-            steps = steps.take(pa.array(np.argsort(group, kind="stable")))
-            pids = steps.column("pid").to_pylist()
-        span_bytes, span_offsets = self._step_spans(batch, steps, pids)
+        distinct, first_index, group = np.unique(pid, return_index=True, return_inverse=True)
+        if len(distinct) > 1:
+            rank = np.empty(len(distinct), np.int64)
+            rank[np.argsort(first_index, kind="stable")] = np.arange(len(distinct))
+            order = np.argsort(rank[group.reshape(-1)], kind="stable")
+            steps = steps.take(pa.array(order))
+            pid = pid[order]
+        span_bytes, span_offsets = self._step_spans(batch, steps, pid)
 
-        models = steps.column("model_id").to_pylist() if steps.num_rows else []
-        first_row: dict[int, int] = {}
-        last_row: dict[int, int] = {}
-        for index, pid in enumerate(pids):
-            first_row.setdefault(pid, index)
-            last_row[pid] = index
+        # each process's rows are one run now: its first and last row, in order of appearance
+        starts = np.flatnonzero(np.r_[True, pid[1:] != pid[:-1]]) if len(pid) else np.zeros(0, np.int64)
+        ends = np.r_[starts[1:], len(pid)][: len(starts)] - 1
+        models = steps.column("model_id").take(pa.array(starts)).to_pylist() if len(starts) else []
+        first_row = dict(zip(pid[starts].tolist(), starts.tolist(), strict=True))
+        last_row = dict(zip(pid[starts].tolist(), ends.tolist(), strict=True))
+        model_of = dict(zip(pid[starts].tolist(), models, strict=True))
         requests_of: dict[int, list[bytes]] = {}
         request_model: dict[int, str | None] = {}
         for req in batch.requests:
@@ -423,7 +490,7 @@ class TraceEncoder:
                 request_model.setdefault(row["pid"], row["model_id"])
         out = []
         for pid in [*first_row, *(p for p in requests_of if p not in first_row)]:
-            model = models[first_row[pid]] if pid in first_row else request_model[pid]
+            model = model_of[pid] if pid in first_row else request_model[pid]
             resource = Resource()
             resource.attributes.extend(key_values(self.resource(pid, batch.processes.get(pid, {}), model)))
             parts = [self._scope_field]
@@ -438,20 +505,21 @@ class TraceEncoder:
 
     # -- token-step spans, in bulk -------------------------------------------------------------------
 
-    def _step_spans(self, batch: StepBatch, steps: pa.Table, pids: list) -> tuple[np.ndarray, np.ndarray]:
+    def _step_spans(
+        self, batch: StepBatch, steps: pa.Table, pid: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Every step's span, each wrapped as a ScopeSpans.spans field: (bytes, row offsets)."""
         n = steps.num_rows
         if n == 0:
             return np.zeros(0, np.uint8), np.zeros(1, np.int64)
-        traces = steps.column("trace_id").to_pylist()
-        seqs = steps.column("step_seq").to_pylist()
-        rows = steps.column("batch_row").to_pylist()
-        request_seqs = (
-            steps.column("request_seq").fill_null(0).to_pylist()
+        seq = steps.column("step_seq").to_numpy()
+        row = steps.column("batch_row").to_numpy()
+        request = (
+            steps.column("request_seq").fill_null(0).to_numpy()
             if "request_seq" in steps.column_names
             else None
         )
-        trace_ids, span_ids, parent_ids = self.ids.step_ids(pids, traces, seqs, rows, request_seqs)
+        trace_ids, span_ids, parent_ids = self.ids.step_ids(pid, steps.column("trace_id"), seq, row, request)
         offset = self.wall_offset_ns
         start = steps.column("t_start_ns").to_numpy().astype(np.int64)
         end = np.maximum(steps.column("t_end_ns").to_numpy().astype(np.int64), start)
@@ -480,29 +548,28 @@ class TraceEncoder:
             span.const(self._operation_attribute)
         for column, name in STEP_ATTRIBUTES:
             _add_attribute(span, _T_SPAN_ATTRIBUTE, name, steps.column(column))
-        self._add_rollups(span, batch, pids, seqs)
-
-        # Which step span carries a forward pass's events: the one of the event's own trace if the pass
-        # has it, else the pass's first batch row.
-        by_trace: dict[tuple[int, int, str], int] = {}
-        by_pass: dict[tuple[int, int], int] = {}
-        for index, key in enumerate(zip(pids, seqs, traces, strict=True)):
-            by_trace[key] = index
-            by_pass.setdefault(key[:2], index)
-        dropped = self._add_events(span, batch, by_trace, by_pass, n, end + offset)
+        self._add_rollups(span, batch, pid, seq)
+        owners = _Owners(steps, pid, seq)
+        dropped = self._add_events(span, batch, owners, n, end + offset)
         span.const(wire.tag(12, 0), dropped > 0).varint(dropped, dropped > 0)
 
         wrapped = wire.Pieces(n)
         wrapped.const(_T_SCOPE_SPANS_SPAN).varint(span.length).extend(span)
         return wrapped.gather()
 
-    def _add_rollups(self, span: wire.Pieces, batch: StepBatch, pids: list, seqs: list) -> None:
+    def _add_rollups(self, span: wire.Pieces, batch: StepBatch, pid: np.ndarray, seq: np.ndarray) -> None:
         """The forward pass's rollup attributes on each of its rows (absent until correlate ran)."""
         if not batch.rollups:
             return
         keys = list(batch.rollups)
-        position = {key: index for index, key in enumerate(keys)}
-        which = np.array([position.get(key, -1) for key in zip(pids, seqs, strict=True)], dtype=np.int64)
+        n = len(pid)
+        rollup_pid = np.array([k[0] for k in keys], np.int64)
+        rollup_seq = np.array([k[1] for k in keys], np.int64)
+        ids = key_ids(np.r_[pid, rollup_pid], np.r_[seq, rollup_seq])
+        # the rollup of each key (keys are unique: one per pass), then of each step's key
+        of_key = np.full(int(ids.max()) + 1, -1, np.int64)
+        of_key[ids[n:]] = np.arange(len(keys))
+        which = of_key[ids[:n]]
         has = which >= 0
         if not has.any():
             return
@@ -518,8 +585,7 @@ class TraceEncoder:
         self,
         span: wire.Pieces,
         batch: StepBatch,
-        by_trace: dict,
-        by_pass: dict,
+        owners: _Owners,
         n: int,
         end_wall: np.ndarray,
     ) -> np.ndarray:
@@ -528,13 +594,11 @@ class TraceEncoder:
         dropped = np.zeros(n, dtype=np.int64)
         events = batch.events
         if events is not None and events.num_rows:
-            keys = zip(
-                events.column("pid").to_pylist(),
-                events.column("step_seq").to_pylist(),
-                events.column("trace_id").to_pylist(),
-                strict=True,
+            owner = owners.of(
+                events.column("pid").to_numpy(),
+                events.column("step_seq").to_numpy(),
+                events.column("trace_id"),
             )
-            owner = np.array([by_trace.get(key, by_pass.get(key[:2], -1)) for key in keys], dtype=np.int64)
             keep = np.flatnonzero(owner >= 0)
             order = keep[np.argsort(owner[keep], kind="stable")]  # per span, in the query's order
             events = events.take(pa.array(order))
@@ -561,6 +625,7 @@ class TraceEncoder:
             with_events = count > 0
             dropped[with_events] = np.maximum(totals[after[with_events] - 1] - count[with_events], 0)
         if batch.anomalies:
+            by_trace, by_pass = owners.dicts()
             self._add_anomalies(span, batch.anomalies, by_trace, by_pass, n, end_wall)
         return dropped
 
@@ -615,6 +680,38 @@ class TraceEncoder:
         if self.ids.mode == "prompt":  # in random mode exporting it would undo the unlinking
             set_attribute(attributes, "llmobs.prompt_hash", trace_hex)
         return span
+
+
+class _Owners:
+    """Which step span carries a forward pass's events: the one of the event's own trace if the pass has
+    it (its last such row), else the pass's first batch row."""
+
+    def __init__(self, steps: pa.Table, pid: np.ndarray, seq: np.ndarray):
+        self.steps, self.pid, self.seq = steps, pid, seq
+
+    def of(self, pid: np.ndarray, seq: np.ndarray, trace) -> np.ndarray:
+        """The owning step row of each event (pid, step_seq, trace_id columns); -1 for none."""
+        n = len(self.pid)
+        codes, _ = string_codes(self.steps.column("trace_id"), trace)
+        all_pid, all_seq = np.r_[self.pid, pid], np.r_[self.seq, seq]
+        by_trace = key_ids(all_pid, all_seq, codes)
+        by_pass = key_ids(all_pid, all_seq)
+        last = _first_of(by_trace[:n], int(by_trace.max()) + 1, last=True)[by_trace[n:]]
+        first = _first_of(by_pass[:n], int(by_pass.max()) + 1)[by_pass[n:]]
+        return np.where(last >= 0, last, first)
+
+    def dicts(self) -> tuple[dict, dict]:
+        """The same as dicts (pid, step_seq, trace_id) -> row and (pid, step_seq) -> row: for the few
+        anomalies of a batch."""
+        by_trace: dict[tuple[int, int, str], int] = {}
+        by_pass: dict[tuple[int, int], int] = {}
+        keys = zip(
+            self.pid.tolist(), self.seq.tolist(), self.steps.column("trace_id").to_pylist(), strict=True
+        )
+        for index, key in enumerate(keys):
+            by_trace[key] = index
+            by_pass.setdefault(key[:2], index)
+        return by_trace, by_pass
 
 
 def evidence_summary(evidence: str | None) -> str | None:

@@ -23,7 +23,15 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from llmobs.otlp import genai_metrics
-from llmobs.otlp.encoder import DEFAULT_OPERATION, SCOPE_NAME, SCOPE_VERSION, SpanIds, key_values
+from llmobs.otlp.encoder import (
+    DEFAULT_OPERATION,
+    SCOPE_NAME,
+    SCOPE_VERSION,
+    SpanIds,
+    key_ids,
+    key_values,
+    string_codes,
+)
 from llmobs.otlp.served import served_span_id
 from llmobs.otlp.source import StepBatch
 
@@ -146,23 +154,17 @@ class MetricsAggregator:
         steps = batch.step_table
         n = steps.num_rows
         if n:
-            pids = steps.column("pid").to_pylist()
-            traces = steps.column("trace_id").to_pylist()
-            seqs = steps.column("step_seq").to_pylist()
-            rows = steps.column("batch_row").to_pylist()
-            models = [m or "" for m in steps.column("model_id").to_pylist()]
-            tenants = [t or "" for t in steps.column("tenant").to_pylist()]
+            pid = steps.column("pid").to_numpy().astype(np.int64)
+            seq = steps.column("step_seq").to_numpy().astype(np.int64)
+            batch_row = steps.column("batch_row").to_numpy().astype(np.int64)
+            trace_column = steps.column("trace_id")
+            model_codes, models = string_codes(steps.column("model_id"))
+            tenant_codes, tenants = string_codes(steps.column("tenant"))
             if exported is None:
                 linked = np.ones(n, dtype=bool)
             else:
-                decided: dict[str, bool] = {}
-                linked = np.array(
-                    [
-                        decided[t] if t in decided else decided.setdefault(t, bool(exported(t)))
-                        for t in traces
-                    ],
-                    dtype=bool,
-                )
+                trace_codes, traces = string_codes(trace_column)
+                linked = np.array([bool(exported(t)) for t in traces], dtype=bool)[trace_codes]
             t_start = steps.column("t_start_ns").to_numpy().astype(np.int64)
             t_end = steps.column("t_end_ns").to_numpy().astype(np.int64)
             time_ns = t_end + self.offset
@@ -171,12 +173,12 @@ class MetricsAggregator:
             loss = np.asarray(steps.column("loss").fill_null(np.nan), dtype=np.float64)
 
             def exemplar(index: int, value: float) -> Exemplar:
-                trace_hex = traces[index]
+                trace_hex, step_pid = trace_column[index].as_py(), int(pid[index])
                 return Exemplar(
                     value,
                     int(time_ns[index]),
-                    self.ids.trace_id(pids[index], trace_hex),
-                    self.ids.step_span_id(pids[index], trace_hex, seqs[index], rows[index]),
+                    self.ids.trace_id(step_pid, trace_hex),
+                    self.ids.step_span_id(step_pid, trace_hex, int(seq[index]), int(batch_row[index])),
                 )
 
             # a served request's (request_seq) time per output token is its request's, from request_events
@@ -185,7 +187,8 @@ class MetricsAggregator:
                 if "request_seq" in steps.column_names
                 else np.zeros(n, dtype=bool)
             )
-            for model, where in _groups(models).items():
+            for code, where in _groups(model_codes).items():
+                model = models[code]
                 by_model: Attrs = (("gen_ai.request.model", model),)
                 own = where[~served[where]]
                 if len(own):
@@ -195,7 +198,9 @@ class MetricsAggregator:
                 if len(has_loss):
                     point = self._hist("llmobs.token.loss", by_model, LOSS_BOUNDS)
                     _record_many(point, loss[has_loss], has_loss, linked, exemplar)
-            for (model, tenant), where in _groups(list(zip(models, tenants, strict=True))).items():
+            pairs = model_codes * len(tenants) + tenant_codes
+            for pair, where in _groups(pairs).items():
+                model, tenant = models[pair // len(tenants)], tenants[pair % len(tenants)]
                 tokens = self._sum(
                     "llmobs.tokens", (("gen_ai.request.model", model), ("llmobs.tenant", tenant))
                 )
@@ -203,26 +208,43 @@ class MetricsAggregator:
                 last = where[linked[where]]
                 if len(last):
                     tokens.exemplar = exemplar(int(last[-1]), 1.0)
-            first_span: dict[tuple[int, int], int] = {}  # the pass's first linked row
-            for index in np.flatnonzero(linked).tolist():
-                first_span.setdefault((pids[index], seqs[index]), index)
+            # the pass's first linked row
+            passes = key_ids(pid, seq)
+            first = np.full(int(passes.max()) + 1, n, np.int64)
+            np.minimum.at(first, passes[linked], np.flatnonzero(linked))
+            has = np.flatnonzero(first < n)
+            first_of_pass = np.zeros(len(first), np.int64)
+            first_of_pass[passes] = np.arange(n)  # any row of the pass: its key
+            first_span = dict(
+                zip(
+                    zip(pid[first_of_pass[has]].tolist(), seq[first_of_pass[has]].tolist(), strict=True),
+                    first[has].tolist(),
+                    strict=True,
+                )
+            )
             # A forward pass's rows may straddle two batches; its per-pass values are counted by the batch
             # holding its first row (batch_row 0), so a pass is counted once.
-            owned = {(pid, seq) for pid, seq, row in zip(pids, seqs, rows, strict=True) if row == 0}
+            zero = batch_row == 0
+            owned = set(zip(pid[zero].tolist(), seq[zero].tolist(), strict=True))
         else:
             first_span, owned = {}, set()
             exemplar = None
-        for key, rollup in batch.rollups.items():
-            if key not in owned:
-                continue
-            index = first_span.get(key)
+        counted = [(key, rollup) for key, rollup in batch.rollups.items() if key in owned]
+        if counted:
+            index_of = np.array([first_span.get(key, -1) for key, _ in counted], dtype=np.int64)
+            has_span = index_of >= 0
+            positions = np.arange(len(counted))
+
+            def pass_exemplar(position: int, value: float) -> Exemplar:
+                return exemplar(int(index_of[position]), value)
+
             for column, name in (
                 ("launches", "llmobs.step.launches"),
                 ("allocations", "llmobs.step.allocations"),
             ):
-                value = float(rollup[column] or 0)
-                link = exemplar(index, value) if index is not None else None
-                self._hist(name, (), COUNT_BOUNDS).record(value, link)
+                values = np.array([float(rollup[column] or 0) for _, rollup in counted], dtype=np.float64)
+                point = self._hist(name, (), COUNT_BOUNDS)
+                _record_many(point, values, positions, has_span, pass_exemplar)
         for row in batch.gpu_time:
             key = (row["pid"], row["step_seq"])
             if key not in owned:
@@ -355,12 +377,13 @@ def _encode_agent_points(scope, points: list, start_wall_ns: int, now_wall_ns: i
             dp.as_double = point.value
 
 
-def _groups(keys: list) -> dict:
-    """key -> the row indices holding it (numpy, in row order), keys in order of first appearance."""
-    rows: dict = {}
-    for index, key in enumerate(keys):
-        rows.setdefault(key, []).append(index)
-    return {key: np.array(where, dtype=np.int64) for key, where in rows.items()}
+def _groups(codes: np.ndarray) -> dict[int, np.ndarray]:
+    """code -> the row indices holding it (numpy, in row order), codes in order of first appearance."""
+    distinct, first = np.unique(codes, return_index=True)
+    order = np.argsort(codes, kind="stable")  # rows grouped by code, each group in row order
+    bounds = np.searchsorted(codes[order], distinct)
+    groups = np.split(order, bounds[1:])
+    return {int(distinct[i]): groups[i].astype(np.int64) for i in np.argsort(first, kind="stable").tolist()}
 
 
 def _record_many(point: HistogramPoint, values: np.ndarray, where: np.ndarray, linked, exemplar) -> None:
