@@ -61,7 +61,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         dest="trace_id_mode",
         help="trace id per request: the prompt-hash id (default) or a salted random one",
     )
-    parser.add_argument("--batch", type=int, dest="batch_spans", metavar="N", help="token steps per request")
+    parser.add_argument("--batch", type=int, dest="batch_spans", metavar="N", help="token steps per batch")
+    parser.add_argument(
+        "--max-request-bytes",
+        type=int,
+        metavar="N",
+        help="largest trace request sent; a larger batch goes as several (default 3670016: 3.5 MiB)",
+    )
     parser.add_argument(
         "--sample",
         type=int,
@@ -95,6 +101,7 @@ def _cli_values(args: argparse.Namespace) -> dict[str, object]:
         "service_name": args.service_name,
         "trace_id_mode": args.trace_id_mode,
         "batch_spans": args.batch_spans,
+        "max_request_bytes": args.max_request_bytes,
         "sample_n": args.sample_n,
     }
     if args.header:

@@ -22,6 +22,12 @@ from llmobs.errors import ExitCode, LlmobsError
 PROTOCOLS = ("grpc", "http/protobuf")
 DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 DEFAULT_HTTP_ENDPOINT = "http://localhost:4318"
+# The largest OTLP trace request sent (its serialised, uncompressed bytes; llmobs.otlp.split cuts a
+# batch to fit). 3.5 MiB: under the 4 MiB (4,194,304 bytes) that rotel and the OpenTelemetry
+# Collector's gRPC receiver accept by default, with room for a collector that counts a little more.
+DEFAULT_MAX_REQUEST_BYTES = 3_670_016
+# Below this, ordinary spans would lose events (64 events make a span of about 15 KB).
+MIN_MAX_REQUEST_BYTES = 65_536
 
 # Config key -> the environment variables that set it, most specific first.
 ENV: dict[str, tuple[str, ...]] = {
@@ -67,7 +73,8 @@ class OtlpConfig:
     service_name: str = "llmobs"
     resource_attributes: dict[str, str] = field(default_factory=dict)
     trace_id_mode: str = "prompt"  # prompt: the request's prompt-hash trace id; random: per request
-    batch_spans: int = 512  # token-step spans per OTLP request (memory bound: one batch in flight)
+    batch_spans: int = 512  # token-step spans per batch (memory bound: one batch in flight)
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a batch larger than this goes as several requests
     sample_n: int = 1  # export the spans of 1 request in N, chosen by the kernel's trace-id hash
     max_events_per_span: int = 64  # sampled probe events kept per token-step span; the rest are counted
     metrics_interval_s: float = 10.0
@@ -217,6 +224,10 @@ def validate(config: OtlpConfig) -> OtlpConfig:
         raise OtlpConfigError(f"trace id mode {config.trace_id_mode!r} is not one of prompt, random")
     if config.timeout_s <= 0 or config.batch_spans <= 0 or config.backoff_initial_s <= 0:
         raise OtlpConfigError("timeout, batch size and backoff must be positive")
+    if config.max_request_bytes < MIN_MAX_REQUEST_BYTES:
+        raise OtlpConfigError(
+            f"max_request_bytes {config.max_request_bytes} is below the minimum {MIN_MAX_REQUEST_BYTES}"
+        )
     if config.sample_n < 1:
         raise OtlpConfigError("the sampling ratio N (of 1/N) must be at least 1")
     if config.backoff_max_s < config.backoff_initial_s:

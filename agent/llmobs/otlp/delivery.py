@@ -1,17 +1,21 @@
 """The OTLP exporter: a cursor over the store, one bounded batch in flight, retried until acknowledged.
 
 Loop: read the next batch of unexported rows (source.ExportCursor) -> encode (encoder.TraceEncoder) ->
-send (transport) -> on ack, commit the cursor and feed the metrics; on a retryable failure wait a
-jittered exponential backoff (interrupted at once by `shutdown`) and send the same batch again.
+cut into requests under `max_request_bytes` (split) -> send them (transport) -> once all are acked,
+commit the cursor and feed the metrics; on a retryable failure wait a jittered exponential backoff
+(interrupted at once by `shutdown`) and send the unacked requests again; a request refused as too
+large goes again halved.
 
 Guarantees:
 - at-least-once: the cursor moves only after an ack, in the same transaction as the request state, so an
   agent killed at any point resumes from the last acked batch; duplicates are limited to a batch whose
-  ack was lost (span ids are deterministic, so the backend can drop them).
+  ack was lost, or whose requests were acked in part when the agent stopped (span ids are
+  deterministic, so the backend can drop them).
 - bounded memory: nothing is queued; while the collector is down the rows wait in the store, and the
   exporter holds one batch (<= batch_spans steps, their events capped per span) whatever the backlog.
 - counted: spans sent (acked), failed (spans in failed attempts, each attempt counted), dropped (the
-  collector rejected them for good: a partial success or a non-retryable "bad data" answer).
+  collector rejected them for good: a partial success, a non-retryable "bad data" answer, or a single
+  span still too large for it).
 - never raises into the pipeline from `export_pending`; `run()` raises ExportFailed only for a
   one-shot export that cannot finish (collector unreachable past `give_up_after_s`, or refused for a
   configuration reason such as authentication).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from dataclasses import asdict, dataclass
 
 import duckdb
@@ -29,10 +34,11 @@ from llmobs import clock
 from llmobs.bpf.records import trace_kept
 from llmobs.errors import LlmobsError
 from llmobs.otlp.backoff import Backoff
-from llmobs.otlp.config import OtlpConfig
-from llmobs.otlp.encoder import SpanIds, TraceEncoder
+from llmobs.otlp.config import MIN_MAX_REQUEST_BYTES, OtlpConfig
+from llmobs.otlp.encoder import EncodedTraces, SpanIds, TraceEncoder
 from llmobs.otlp.metrics import MetricsAggregator
 from llmobs.otlp.source import ExportCursor, StepBatch
+from llmobs.otlp.split import halve, split_request
 from llmobs.otlp.tenant_compute import TenantCompute
 from llmobs.otlp.transport import SendResult, Transport, make_transport
 
@@ -67,16 +73,21 @@ class ExportFailed(LlmobsError):
 class ExportCounters:
     spans_sent: int = 0  # acknowledged by the collector (minus any it rejected)
     spans_failed: int = 0  # spans in attempts that failed; a batch tried 3 times counts 3 times
-    spans_dropped: int = 0  # rejected for good (partial success, or a non-retryable bad-data answer)
+    spans_dropped: int = 0  # rejected for good (partial success, a non-retryable bad-data answer, or
+    #                         a single span the collector refused as too large)
     spans_sampled_out: int = 0  # not sent because 1/N trace sampling left their trace out (still counted
     #                             in the metrics)
-    batches_sent: int = 0
+    batches_sent: int = 0  # batches committed (every request of theirs answered)
+    requests_sent: int = 0  # trace requests acked: a batch over the request limit goes as several
+    requests_too_large: int = 0  # requests the collector refused for their size (then sent halved)
+    span_events_truncated: int = 0  # events cut from spans too large for a request of their own
     attempts_failed: int = 0
     retries: int = 0
     metrics_sent: int = 0
     metrics_failed: int = 0
     max_batch_spans: int = 0  # memory bound, observed: the largest batch held in flight
-    max_batch_bytes: int = 0
+    max_batch_bytes: int = 0  # its encoding (all its requests together)
+    max_request_bytes: int = 0  # the largest trace request the collector acknowledged
     last_error: str | None = None
 
     def as_dict(self) -> dict:
@@ -99,6 +110,8 @@ class OtlpExporter:
         self.transport = transport or make_transport(config)
         self.counters = ExportCounters()
         self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, stop=self.stop)
+        # max_request_bytes, lowered when the collector refuses a request as too large
+        self._request_limit = config.max_request_bytes
         self.ids = SpanIds(
             config.trace_id_mode, self.cursor.salt() if config.trace_id_mode == "random" else b""
         )
@@ -139,25 +152,51 @@ class OtlpExporter:
         return trace_kept(hi, lo, self.config.sample_n)
 
     def _deliver(self, batch: StepBatch, give_up_at_ns: int | None) -> bool:
-        """Send `batch` until acked (True) or stopped / given up / refused by configuration (False)."""
+        """Send `batch` until every request of it is acked (True) or stopped / given up / refused by
+        configuration (False).
+
+        The batch's encoding is cut into requests of at most the request limit (llmobs.otlp.split),
+        sent one at a time in order; the cursor commits once the last is acked. A retry after a failure
+        resends only the requests not acked yet. A request the collector refuses as too large is sent
+        again at once (no backoff: a smaller request is a different request) as two halves, down to one
+        span, whose events are then cut to fit, and which is dropped (counted) when it has none left to
+        cut; later batches are cut to half the refused size. A batch left unfinished (given up, stopped,
+        refused by configuration, agent killed) is read and sent whole next time: the requests of it
+        already acked arrive twice, with the same span ids.
+        """
         sent = batch if self.config.sample_n <= 1 else batch.only(self._kept)
         spans = sent.span_count
         self.counters.spans_sampled_out += batch.span_count - spans
         if spans == 0:  # every trace of the batch sampled out: nothing to send, still progress
-            self._acked(batch, 0, SendResult(ok=True))
+            self._acked(batch, 0, 0)
             return True
-        request = self.encoder.encode(sent)
-        size = request.ByteSize()
+        encoded = self.encoder.encode(sent)
         self.counters.max_batch_spans = max(self.counters.max_batch_spans, spans)
-        self.counters.max_batch_bytes = max(self.counters.max_batch_bytes, size)
-        while True:
+        self.counters.max_batch_bytes = max(self.counters.max_batch_bytes, encoded.ByteSize())
+        pending = deque(self._split(encoded))
+        del encoded  # cut into requests: hold the batch's bytes once, not twice, while it is sent
+        acked = rejected = 0
+        while pending:
+            request = pending[0]
             result = self.transport.send_traces(request)
             if result.ok:
-                self._acked(batch, spans, result)
-                return True
+                pending.popleft()
+                acked += request.spans
+                rejected += min(result.rejected, request.spans)
+                if result.rejected:
+                    log.warning(
+                        "collector rejected %d of %d spans: %s", result.rejected, request.spans, result.error
+                    )
+                self.counters.requests_sent += 1
+                self.counters.max_request_bytes = max(self.counters.max_request_bytes, request.ByteSize())
+                self.backoff.reset()
+                continue
             self.counters.attempts_failed += 1
-            self.counters.spans_failed += spans
+            self.counters.spans_failed += request.spans
             self.counters.last_error = result.error
+            if result.too_large:
+                self._too_large(pending, result)
+                continue
             if not result.retryable:
                 if any(marker in (result.error or "") for marker in _CONFIG_ERRORS):
                     log.error("collector refused the export: %s", result.error)
@@ -166,21 +205,58 @@ class OtlpExporter:
                         hint="check --header / OTEL_EXPORTER_OTLP_HEADERS, TLS and the URL",
                     )
                 # Bad data: retrying cannot help and would block every later row; count and move on.
-                log.error("collector rejected %d spans for good: %s", spans, result.error)
-                self.counters.spans_dropped += spans
-                self.cursor.commit(batch)
-                return True
+                log.error("collector rejected %d spans for good: %s", request.spans, result.error)
+                self.counters.spans_dropped += request.spans
+                pending.popleft()
+                continue
             if give_up_at_ns is not None and clock.monotonic_ns() >= give_up_at_ns:
                 return False
             log.warning("export failed (%s); retrying", result.error)
             if not self.backoff.wait(result.retry_after_s):
                 return False
             self.counters.retries += 1
+        self._acked(batch, acked, rejected)
+        return True
 
-    def _acked(self, batch: StepBatch, spans: int, result: SendResult) -> None:
-        rejected = min(result.rejected, spans)
-        if rejected:
-            log.warning("collector rejected %d of %d spans: %s", rejected, spans, result.error)
+    def _split(self, encoded: EncodedTraces) -> list[EncodedTraces]:
+        """The batch's requests under the request limit, counting the events cut from oversized spans."""
+        split = split_request(encoded, self._request_limit)
+        if split.events_truncated:
+            self.counters.span_events_truncated += split.events_truncated
+            log.warning(
+                "%d spans over %d bytes each lost %d events to fit a request",
+                split.spans_truncated,
+                self._request_limit,
+                split.events_truncated,
+            )
+        return split.requests
+
+    def _too_large(self, pending: deque[EncodedTraces], result: SendResult) -> None:
+        """The collector refused pending[0] for its size: halve it, or cut its one span's events, or
+        drop that span when it has no events left to cut."""
+        request = pending.popleft()
+        size = request.ByteSize()
+        self.counters.requests_too_large += 1
+        # Later batches are cut below what was refused (not below the configured minimum: that would
+        # take the events of ordinary spans on a collector that refuses a span for another reason).
+        self._request_limit = max(MIN_MAX_REQUEST_BYTES, min(self._request_limit, size // 2))
+        if request.spans > 1:
+            log.warning("collector refused a request of %d bytes as too large; sending it halved", size)
+            pending.extendleft(reversed(halve(request)))
+            return
+        if self._request_limit < size:
+            smaller = self._split(request)
+            if smaller[0].ByteSize() < size:
+                pending.appendleft(smaller[0])
+                return
+        self.counters.spans_dropped += request.spans
+        self.counters.last_error = (
+            f"dropped a span of {size} bytes: the collector refused it as too large ({result.error})"
+        )
+        log.error("%s", self.counters.last_error)
+
+    def _acked(self, batch: StepBatch, spans: int, rejected: int) -> None:
+        """Every request of `batch` answered: commit the cursor, count, and feed the metrics."""
         self.cursor.commit(batch)
         self.counters.spans_sent += spans - rejected
         self.counters.spans_dropped += rejected

@@ -7,13 +7,15 @@ retry, the cursor and the counters. So we use the same libraries it uses (grpcio
 service stubs from opentelemetry-proto; requests for HTTP) and keep one attempt per call here.
 
 Each call returns a SendResult instead of raising: ok, whether a retry may succeed (the OTLP spec's
-retryable gRPC codes / HTTP statuses), the collector's requested delay, and rejected items from a
-partial success.
+retryable gRPC codes / HTTP statuses), whether the collector refused the request for its size (then
+the same bytes never succeed, however often retried: delivery sends it again in smaller pieces), the
+collector's requested delay, and rejected items from a partial success.
 """
 
 from __future__ import annotations
 
 import gzip
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,14 @@ RETRYABLE_GRPC = frozenset(
     }
 )
 RETRYABLE_HTTP = frozenset({429, 502, 503, 504})
+# A request over the collector's size limit. gRPC has no code of its own for it: rotel (tonic) answers
+# OUT_OF_RANGE "decoded message length too large", grpc-go servers (the OpenTelemetry Collector)
+# RESOURCE_EXHAUSTED "received message larger than max", and the client's own check RESOURCE_EXHAUSTED
+# "Sent message larger than max". Both codes are retryable per the spec (RESOURCE_EXHAUSTED is also
+# throttling), so the size is told by the wording. HTTP: 413 Content Too Large.
+TOO_LARGE_GRPC = frozenset({grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+TOO_LARGE_DETAIL = re.compile(r"too (large|big)|larger than (the )?max", re.IGNORECASE)
+TOO_LARGE_HTTP = 413
 USER_AGENT = "llmobs-agent-otlp/0.1.0"
 
 
@@ -48,6 +58,7 @@ class SendResult:
     error: str | None = None
     retry_after_s: float | None = None
     rejected: int = 0  # items the collector refused in a partial success (not retryable)
+    too_large: bool = False  # refused for its size: smaller requests may pass, the same one never
 
 
 class Transport:
@@ -108,11 +119,13 @@ class GrpcTransport(Transport):
         except grpc.RpcError as exc:
             code = exc.code() if hasattr(exc, "code") else None
             detail = exc.details() if hasattr(exc, "details") else str(exc)
+            too_large = code in TOO_LARGE_GRPC and bool(TOO_LARGE_DETAIL.search(detail or ""))
             return SendResult(
                 ok=False,
-                retryable=code in RETRYABLE_GRPC,
+                retryable=code in RETRYABLE_GRPC and not too_large,
                 error=f"gRPC {code.name if code else 'error'}: {detail}",
                 retry_after_s=_grpc_retry_delay(exc),
+                too_large=too_large,
             )
         partial = response.partial_success
         rejected = int(getattr(partial, rejected_field, 0))
@@ -194,6 +207,7 @@ class HttpTransport(Transport):
             retryable=response.status_code in RETRYABLE_HTTP,
             error=f"HTTP {response.status_code}: {response.text[:200].strip()}",
             retry_after_s=_retry_after(response.headers.get("Retry-After")),
+            too_large=response.status_code == TOO_LARGE_HTTP,
         )
 
     def send_traces(self, request):
