@@ -14,10 +14,12 @@ pytestmark = pytest.mark.unit
 S = 1_000_000_000
 
 
-def _share(conn, seq: int, t_ns: int, tenant: str | None, compute: int, off: int, gpu: int | None, allocs: int):
+def _share(
+    conn, seq: int, t_ns: int, tenant: str | None, compute: int, off: int, gpu: int | None, allocs: int
+):
     conn.execute(
-        "INSERT INTO pass_shares (pid, step_seq, t_start_ns, row_kind, tokens, weight, compute_ns, off_cpu_ns,"
-        " allocations, alloc_bytes, compute_calls, launches, gpu_ns, tenant)"
+        "INSERT INTO pass_shares (pid, step_seq, t_start_ns, row_kind, tokens, weight, compute_ns,"
+        " off_cpu_ns, allocations, alloc_bytes, compute_calls, launches, gpu_ns, tenant)"
         " VALUES (7, ?, ?, 'step', 1, 1, ?, ?, ?, 0, 0, 0, ?, ?)",
         [seq, t_ns, compute, off, allocs, gpu, tenant],
     )
@@ -38,7 +40,9 @@ def _points(compute: TenantCompute, now: int) -> dict[str, dict[str, float]]:
     for metric in scope.metrics:
         assert metric.sum.is_monotonic
         assert metric.sum.aggregation_temporality == metrics_pb2.AGGREGATION_TEMPORALITY_CUMULATIVE
-        out[metric.name] = {dp.attributes[0].value.string_value: dp.as_double for dp in metric.sum.data_points}
+        out[metric.name] = {
+            dp.attributes[0].value.string_value: dp.as_double for dp in metric.sum.data_points
+        }
     assert added == sum(len(v) for v in out.values())
     return out
 
