@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
+import sys
 
 import duckdb
 import numpy as np
@@ -141,8 +143,6 @@ def test_raw_sql_in_every_format(db, capsys):
     [
         (["SELEC nonsense"], "query failed: Parser Error"),
         (["SELECT * FROM no_such_table"], "query failed: Catalog Error"),
-        ([], "nothing to run"),
-        (["SELECT 1", "--by-tenant"], "give either SQL or a canned view"),
     ],
 )
 def test_bad_queries_give_one_line_and_the_store_error_code(db, capsys, argv, message):
@@ -150,6 +150,54 @@ def test_bad_queries_give_one_line_and_the_store_error_code(db, capsys, argv, me
     assert code == ExitCode.STORE_ERROR
     assert out == ""
     assert err.startswith(f"error: {message}") and err.count("\n") == 2  # error + hint, no traceback
+
+
+def _cli(*argv: str) -> subprocess.CompletedProcess:
+    """The real entry point in a child: the exit status and stderr a script would see."""
+    return subprocess.run(
+        [sys.executable, "-m", "llmobs.cli", *argv], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+USAGE_HINT = "hint: llmobs-agent query --help lists the canned views; SQL goes in one quoted argument"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error", "hint"),
+    [
+        ([], "error: nothing to run: give SQL or a canned view", USAGE_HINT),
+        (["SELECT 1", "--by-tenant"], "error: give either SQL or a canned view, not both", USAGE_HINT),
+        (["--slowest-steps", "-n", "0"], "error: -n must be at least 1, not 0", USAGE_HINT),
+        (["--top-probes", "--limit", "-3"], "error: -n must be at least 1, not -3", USAGE_HINT),
+        (
+            ["--top-probes", "--tenant", "acme"],
+            "error: --tenant filters only --slowest-steps, --by-tenant and --by-session",
+            "hint: in SQL, filter with WHERE tenant = '...'",
+        ),
+        (
+            ["SELECT 1", "--session", "s"],
+            "error: --session filters only --slowest-steps and --by-session",
+            "hint: in SQL, filter with WHERE session = '...'",
+        ),
+    ],
+)
+def test_argument_mistakes_are_usage_errors_said_before_the_store_is_opened(tmp_path, argv, error, hint):
+    """Exit 2 with exactly one error and one hint line from the real CLI. The --db named does not
+    exist, so a store error (11, `no store at`) would mean the arguments were checked too late."""
+    absent = tmp_path / "absent.duckdb"
+    result = _cli("query", *argv, "--db", str(absent))
+    assert (result.returncode, result.stdout) == (ExitCode.USAGE, "")
+    assert result.stderr.splitlines() == [error, hint]
+    assert not absent.exists()
+
+
+def test_a_real_store_problem_is_still_a_store_error_from_the_real_cli(tmp_path):
+    """The control of the test above: valid arguments over a missing store exit 11, not 2."""
+    absent = tmp_path / "absent.duckdb"
+    result = _cli("query", "--slowest-steps", "-n", "1", "--db", str(absent))
+    assert (result.returncode, result.stdout) == (ExitCode.STORE_ERROR, "")
+    error, hint = result.stderr.splitlines()
+    assert error == f"error: no store at {absent}" and hint.startswith("hint: ")
 
 
 def test_missing_and_corrupt_stores(tmp_path, capsys):

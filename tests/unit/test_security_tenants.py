@@ -110,7 +110,7 @@ def test_query_cli_with_tenant_returns_only_that_tenant(db, tenant, capsys):
 def test_a_filter_the_view_cannot_apply_is_refused_not_ignored(db, argv, capsys):
     code = main(["query", *argv, "--db", str(db)])
     out, err = capsys.readouterr()
-    assert code == ExitCode.STORE_ERROR and out == ""
+    assert code == ExitCode.USAGE and out == ""  # an argument mistake, not the store's (exit 11)
     lines = err.strip().splitlines()
     assert lines[0].startswith("error: --") and "filters only" in lines[0], err
     assert "Traceback" not in err

@@ -8,6 +8,8 @@ import argparse
 import json
 import math
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow as pa
@@ -15,6 +17,7 @@ import pytest
 import torch
 from llmobs import clock
 from llmobs.commands import top
+from llmobs.errors import ExitCode
 from llmobs.pipeline.correlate import correlate
 from llmobs.pipeline.live import LiveStats, read_snapshots, snapshot_path, write_snapshot
 from llmobs.shm import layout
@@ -153,6 +156,46 @@ def test_top_once_on_a_missing_pid_is_one_clear_error(capsys):
     assert main(["top", "--once", "--pid", "999999999"]) == 3
     err = capsys.readouterr().err
     assert err.startswith("error: no process with pid 999999999") and "Traceback" not in err
+
+
+def _cli(tmp_path, *argv: str) -> subprocess.CompletedProcess:
+    """The real entry point in a child, with a run directory of its own (no other agent's snapshot)."""
+    env = {**os.environ, "LLMOBS_RUN_DIR": str(tmp_path / "run")}
+    return subprocess.run(
+        [sys.executable, "-m", "llmobs.cli", *argv], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+TOP_HINT = "hint: e.g. `llmobs-agent top --interval 0.5 --iterations 10`; see `llmobs-agent top --help`"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--interval", "0"], "error: --interval must be a positive number of seconds, not 0"),
+        (["--interval", "-1.5"], "error: --interval must be a positive number of seconds, not -1.5"),
+        (["--interval", "nan"], "error: --interval must be a positive number of seconds, not nan"),
+        (["--interval", "inf"], "error: --interval must be a positive number of seconds, not inf"),
+        (["--iterations", "0"], "error: --iterations must be at least 1, not 0"),
+    ],
+)
+def test_top_argument_mistakes_are_usage_errors_said_before_the_store_is_opened(tmp_path, argv, error):
+    """Exit 2 with exactly one error and one hint line from the real CLI. The --db named does not exist,
+    so a store error (11) would mean the arguments were checked too late."""
+    absent = tmp_path / "absent.duckdb"
+    result = _cli(tmp_path, "top", "--db", str(absent), *argv)
+    assert (result.returncode, result.stdout) == (ExitCode.USAGE, "")
+    assert result.stderr.splitlines() == [error, TOP_HINT]
+    assert not absent.exists()
+
+
+def test_top_on_a_missing_store_is_still_a_store_error_from_the_real_cli(tmp_path):
+    """The control of the test above: valid arguments over a missing store exit 11, not 2."""
+    absent = tmp_path / "absent.duckdb"
+    result = _cli(tmp_path, "top", "--once", "--db", str(absent), "--interval", "0.5")
+    assert (result.returncode, result.stdout) == (ExitCode.STORE_ERROR, "")
+    error, hint = result.stderr.splitlines()
+    assert error == f"error: no store at {absent}" and hint.startswith("hint: ")
 
 
 def test_snapshot_files_are_json(tmp_path):

@@ -7,7 +7,7 @@ import sys
 
 import duckdb
 
-from llmobs.errors import StoreError
+from llmobs.errors import StoreError, UsageError
 from llmobs.store import default_db_path, schema, views
 from llmobs.store.render import RENDERERS
 from llmobs.store.sink import DuckDBStore
@@ -45,7 +45,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _statement(args: argparse.Namespace, version: int) -> tuple[str, dict | None]:
-    """The SQL to run; `version`: the store's schema version (a canned view adapts to an older store)."""
+    """The SQL to run (the arguments checked already); `version`: the store's schema version (a canned
+    view adapts to an older store)."""
     if args.slowest_steps:
         return views.slowest_steps(args.limit, args.tenant, args.session)
     if args.top_probes:
@@ -58,35 +59,35 @@ def _statement(args: argparse.Namespace, version: int) -> tuple[str, dict | None
         from llmobs.diagnostics.correlation import matrix_sql
 
         return matrix_sql()
-    if args.sql:
-        return args.sql, None
-    raise StoreError("nothing to run: give SQL or a canned view", hint=USAGE_HINT)
+    return args.sql, None
 
 
-def _refuse_unapplied_filters(args: argparse.Namespace) -> None:
-    """A --tenant/--session the statement cannot apply is an error, never silently ignored: a caller
-    scoping a query to one tenant must not get every tenant's rows back (issue 8, security)."""
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Argument mistakes are usage errors (exit 2), said before the store is opened: a store error (11)
+    would send the caller to look at --db for what is a mistake on the command line."""
+    canned = (args.slowest_steps, args.top_probes, args.by_tenant, args.by_session, args.anomaly_correlation)
+    if args.sql and any(canned):
+        raise UsageError("give either SQL or a canned view, not both", hint=USAGE_HINT)
+    if not (args.sql or any(canned)):
+        raise UsageError("nothing to run: give SQL or a canned view", hint=USAGE_HINT)
+    if args.limit <= 0:
+        raise UsageError(f"-n must be at least 1, not {args.limit}", hint=USAGE_HINT)
+    # A --tenant/--session the statement cannot apply is an error, never silently ignored: a caller
+    # scoping a query to one tenant must not get every tenant's rows back (issue 8, security).
     if args.tenant is not None and not (args.slowest_steps or args.by_tenant or args.by_session):
-        raise StoreError(
+        raise UsageError(
             "--tenant filters only --slowest-steps, --by-tenant and --by-session",
             hint="in SQL, filter with WHERE tenant = '...'",
         )
     if args.session is not None and not (args.slowest_steps or args.by_session):
-        raise StoreError(
+        raise UsageError(
             "--session filters only --slowest-steps and --by-session",
             hint="in SQL, filter with WHERE session = '...'",
         )
 
 
 def run(args: argparse.Namespace) -> int:
-    views = (args.slowest_steps, args.top_probes, args.by_tenant, args.by_session, args.anomaly_correlation)
-    if args.sql and any(views):
-        raise StoreError("give either SQL or a canned view, not both", hint=USAGE_HINT)
-    if args.limit <= 0:
-        raise StoreError("-n must be at least 1", hint=USAGE_HINT)
-    _refuse_unapplied_filters(args)
-    if not (args.sql or any(views)):
-        _statement(args, schema.LATEST_VERSION)  # nothing to run: fails before opening a store
+    _check_arguments(args)
     with DuckDBStore(args.db or default_db_path(), read_only=True) as store:
         sql, params = _statement(args, schema.current_version(store.connection))
         try:

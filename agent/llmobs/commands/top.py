@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import math
 import os
 import re
 import sys
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 from llmobs import clock
-from llmobs.errors import NotTracked, StoreError
+from llmobs.errors import NotTracked, StoreError, UsageError
 from llmobs.pipeline.live import WINDOW_S, LiveStats, read_snapshots, wall_time
 from llmobs.pipeline.sources import ShmSource
 from llmobs.shm import layout
@@ -40,6 +41,7 @@ COLUMNS = ("PID", "MODEL", "TENANTS", "TOKENS", "TOK/S", "P50 ms", "P99 ms", "LO
            "SOURCE")  # fmt: skip
 TENANT_COLUMNS = ("PID", "TENANT", "TOK/S", "COMPUTE s/s", "COMPUTE %")
 _CLEAR = "\x1b[H\x1b[2J"
+HINT = "e.g. `llmobs-agent top --interval 0.5 --iterations 10`; see `llmobs-agent top --help`"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -308,8 +310,13 @@ class Top:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise StoreError("--interval must be positive")
+    # Argument mistakes are usage errors (exit 2), said before any map or store is opened. A NaN
+    # interval made the loop spin (time.sleep's ValueError is suppressed below), an infinite one a
+    # traceback (OverflowError), and --iterations 0 (falsy) refreshed forever.
+    if not (math.isfinite(args.interval) and args.interval > 0):
+        raise UsageError(f"--interval must be a positive number of seconds, not {args.interval:g}", hint=HINT)
+    if args.iterations is not None and args.iterations < 1:
+        raise UsageError(f"--iterations must be at least 1, not {args.iterations}", hint=HINT)
     top = Top(args)
     tty = sys.stdout.isatty() and not args.once
     shown = 0
