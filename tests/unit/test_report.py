@@ -160,3 +160,32 @@ def test_report_keeps_each_interleaved_served_request_whole(tmp_path):
     assert f"over {PASSES} token steps" in text
     alloc = next(line for line in text.split("Probes per step")[1].splitlines() if "alloc_cpu" in line)
     assert alloc.split()[2:5] == [f"{(40 * 5 + 400) / PASSES:,.1f}", "40", "400"]
+
+
+def test_report_lists_an_anomaly_on_a_served_pass_row_other_than_0(tmp_path):
+    """In a continuously batched pass each row is its own request's token: an anomaly the detectors wrote
+    for row 1 of pass 5 (request c, whose step 1 it is; row 0 is request b) is listed under request c, and
+    one on b's row of the same pass is listed under b, each with its own token."""
+    rows = interleaved_steps(PID)
+    with DuckDBStore(tmp_path / "a.duckdb") as store:
+        store.append({"token_steps": rows})
+        correlate(store.connection)
+        for trace, first, step, row, score in (("cc" * 16, 3, 1, 1, 8.5), ("bb" * 16, 1, 3, 0, 4.25)):
+            store.connection.execute(
+                "INSERT INTO anomalies (ts_ns, pid, step_seq, trace_id, kind, score, detail, first_step_seq,"
+                " step, batch_row, detector, evidence) VALUES (1, ?, ?, ?, 'loss_mad', ?, '{}', ?, ?, ?,"
+                " 'mad', NULL)",
+                [PID, SLOW_PASS, trace, score, first, step, row],
+            )
+        text = report.build_report(store.connection, decode=chr)
+    section = text.split("Surprising tokens")[1].split("Probes per step")[0]
+    assert section.startswith(" (2 flagged live")
+    flagged = [line for line in section.splitlines() if line.startswith("  request ")]
+    # c's losses are 3.25, 3.5, 3.75 (step 1: 3.5); b's 2.25 .. 3.0 (step 3: 3.0), highest score first
+    assert flagged == [
+        "  request 3 step 1 'B': loss 3.500 vs the request's median 3.500, p(token) 0.500; flagged by mad "
+        "(score 8.5)",
+        "  request 2 step 3 'D': loss 3.000 vs the request's median 2.750, p(token) 0.500; flagged by mad "
+        "(score 4.2)",
+    ]
+    assert f"explain --trace {'cc' * 8} --step 1" in section

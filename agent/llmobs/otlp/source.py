@@ -121,9 +121,12 @@ ORDER BY pid, step_seq, ts_ns, probe
 # (_first_per_pass): two window functions (a count and a row_number, each its own partitioned sort) cost
 # about a fifth more CPU for a batch's few thousand events than the one ORDER BY they share with it.
 
+# In key order: the batch's rollups dict keeps this order and metrics.py gives each llmobs.step.* bucket
+# the exemplar of its last pass in it, so without the ORDER BY the exemplar would follow storage order.
 _BATCH_ROLLUPS = """
 SELECT r.* FROM step_rollups r SEMI JOIN _otlp_passes p USING (pid, step_seq)
 WHERE r.t_start_ns BETWEEN $lo AND $hi
+ORDER BY r.pid, r.step_seq
 """
 
 # Device time by kernel name for the batch's passes (CUPTI records, joined by the external id the

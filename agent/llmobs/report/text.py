@@ -55,6 +55,7 @@ class Token:
     compute_calls: int | None
     text: str = ""
     probes: dict[str, tuple[int, int, int]] = field(default_factory=dict)  # probe -> count, value, ns
+    batch_row: int = 0  # its row in the forward pass: which of a served pass's tokens it is
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Request:
 _STEPS_SQL = """
 SELECT t.pid, t.trace_id, t.tenant, t.session, t.model_id, t.request_key, t.step_seq, t.step, t.position,
     t.token_id, t.loss, t.entropy, t.target_prob, t.latency_ns, t.t_start_ns, r.allocations, r.alloc_bytes,
-    r.off_cpu_ns, r.page_faults, r.compute_calls
+    r.off_cpu_ns, r.page_faults, r.compute_calls, coalesce(t.batch_row, 0)
 FROM (
     SELECT *, {key} AS request_key, min(step_seq) OVER (PARTITION BY pid, trace_id, {key}) AS first_seq
     FROM token_steps WHERE coalesce(batch_row, 0) = 0 OR {served}
@@ -119,7 +120,7 @@ def load_requests(
         steps_sql = _STEPS_SQL.format(key=LEGACY_REQUEST_KEY, served="false")
     for row in conn.execute(steps_sql).fetchall():
         pid, trace, tenant, session, model, key = row[:6]
-        token = Token(pid, *row[6:])
+        token = Token(pid, *row[6:-1], batch_row=row[-1])
         token.loss = math.nan if token.loss is None else float(token.loss)
         token.probes = dict(probes.get((pid, token.step_seq), {}))
         if main_offcpu:  # the main thread's own off-CPU time, where the events say it (0 if none)
@@ -285,10 +286,13 @@ def probes_section(requests: list[Request]) -> list[str]:
     ]
 
 
+# One line per flagged token: its pass, request and row (a served pass has a row per request; the
+# detectors write which). Every row is read; surprising_section keeps those of the tokens the report shows.
 _ANOMALIES_SQL = """
-SELECT pid, step_seq, trace_id, list(detector ORDER BY detector), max(score), any_value(evidence)
-FROM anomalies WHERE coalesce(batch_row, 0) = 0 AND kind LIKE 'loss_%'
-GROUP BY pid, step_seq, trace_id ORDER BY max(score) DESC
+SELECT pid, step_seq, trace_id, coalesce(batch_row, 0) AS pass_row, list(detector ORDER BY detector),
+    max(score), any_value(evidence)
+FROM anomalies WHERE kind LIKE 'loss_%'
+GROUP BY pid, step_seq, trace_id, pass_row ORDER BY max(score) DESC, pid, step_seq, pass_row
 """
 
 
@@ -301,8 +305,14 @@ def surprising_section(
         flagged = conn.execute(_ANOMALIES_SQL).fetchall()
     except duckdb.Error:  # a store from before the anomalies columns (migration 4): nothing to show
         return []
-    # a served pass has one token of each of its requests: the trace id says whose was flagged
-    where = {(t.pid, t.step_seq, r.trace_id): (i, r, t) for i, r in enumerate(requests) for t in r.tokens}
+    # a served pass has one token of each of its requests: its row (and trace id) says whose was flagged.
+    # Rows the report does not show (a generate() call's other prompts) are not counted as listed.
+    where = {
+        (t.pid, t.step_seq, r.trace_id, t.batch_row): (i, r, t)
+        for i, r in enumerate(requests)
+        for t in r.tokens
+    }
+    flagged = [row for row in flagged if tuple(row[:4]) in where]
     db_flag = f" --db {db}" if db else ""
     lines = [
         f"Surprising tokens ({len(flagged)} flagged live by the loss detectors: t-test and median/MAD of "
@@ -310,11 +320,8 @@ def surprising_section(
     ]
     if not flagged:
         return [*lines, "  none: no token's loss stood out from its request's earlier tokens"]
-    for pid, step_seq, trace_id, detectors, score, evidence in flagged[:limit]:
-        found = where.get((pid, step_seq, trace_id))
-        if found is None:
-            continue
-        index, request, token = found
+    for pid, step_seq, trace_id, batch_row, detectors, score, evidence in flagged[:limit]:
+        index, request, token = where[(pid, step_seq, trace_id, batch_row)]
         losses = sorted(t.loss for t in request.tokens if not math.isnan(t.loss))
         summary = ""
         if evidence:
