@@ -83,3 +83,15 @@ class HeldServer:
             os.close(self._ready_r)
             self._ready_r = -1
         self._log.close()
+
+
+def in_the_map(pid: int, request_id: str) -> tuple[int, bool]:
+    """(token steps, has an end record) of the engine's request `request_id` (the completion's id) in
+    the instrumented server's map (pid), now: what the publisher wrote of it."""
+    from llmobs.shm.reader import ShmReader
+
+    with ShmReader(pid) as reader:
+        steps = reader.read_steps(0).columns["request_id"]
+        events = reader.read_request_events(0).columns
+    ends = [r for k, r in zip(events["kind"], events["request_id"], strict=True) if k == "end"]
+    return sum(r == request_id for r in steps), request_id in ends

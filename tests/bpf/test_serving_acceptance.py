@@ -51,23 +51,14 @@ TIMEOUT_S = 120.0  # bounds on waits for real processes, never a pace
 SHARED = ("compute_ns", "off_cpu_ns", "allocations", "alloc_bytes", "compute_calls", "launches")
 
 
-def in_the_map(pid: int, request_id: str) -> tuple[int, bool]:
-    """(token steps, has an end record) of request `request_id` in the server's map, now."""
-    from llmobs.shm.reader import ShmReader
-
-    with ShmReader(pid) as reader:
-        steps = reader.read_steps(0).columns["request_id"]
-        events = reader.read_request_events(0).columns
-    ends = [r for k, r in zip(events["kind"], events["request_id"], strict=True) if k == "end"]
-    return sum(r == request_id for r in steps), request_id in ends
-
-
 def stream_request(base_url: str, model: str, prompt: str, tenant: str, max_tokens: int,
                    after: list[threading.Event], first_token: threading.Event, pid: int) -> dict:  # fmt: skip
     """One streamed chat completion under a new traceparent, once every event of `after` is set;
     `first_token` is set when its first content chunk arrives (the request is decoding); once its last
     chunk came, what the server's map (pid) holds of it. Never raises: errors are recorded."""
     import openai
+
+    from bench.held_server import in_the_map
 
     trace, span = secrets.token_hex(16), secrets.token_hex(8)
     rec = {"tenant": tenant, "session": f"{tenant}-{trace[:8]}", "prompt": prompt, "trace_id": trace,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 from llmobs.workloads import clients  # noqa: E402
 
-from bench.held_server import HeldServer  # noqa: E402
+from bench.held_server import HeldServer, in_the_map  # noqa: E402
 
 SERVER = ("--model", "tiny", "--threads", "1")
 
@@ -53,10 +53,12 @@ def test_three_concurrent_clients_of_two_tenants(server, stream):
     assert sorted(r["tenant"] for r in records) == ["tenant-a"] * 3 + ["tenant-b"] * 3
     for r in records:
         assert r["prompt_tokens"] > 0 and r["finish_reason"] in ("length", "stop")
+        # what the client was told is what the publisher wrote: one token step per completion token
+        assert in_the_map(server.pid, r["request_id"]) == (r["completion_tokens"], True)
         if r["finish_reason"] == "length":  # cut at max_tokens: exactly that many were generated
             assert r["completion_tokens"] == 4
-        else:  # an end-of-sequence token before max_tokens: at least one token, fewer than the cap
-            assert 1 <= r["completion_tokens"] < 4
+        else:  # an end-of-sequence token came before the cap
+            assert r["completion_tokens"] < 4
         assert r["total_s"] > 0 and (r["ttft_s"] is not None) == stream
     assert len({r["request_id"] for r in records}) == 6 and None not in {r["request_id"] for r in records}
     assert len({r["trace_id"] for r in records}) == 6
