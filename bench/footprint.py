@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 from bench.harness import Report, add_json_option
-from bench.runtime import REPO, arm, byte_compiled, ensure_baseline, otlp_collector
+from bench.runtime import REPO, arm, byte_compiled, ensure_baseline, otlp_collector, selected_figures
 
 PREVIOUS_RELEASE = "6bfae97"
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
@@ -65,11 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2, help="slowdown: requests per round")
     add_json_option(parser)
     args = parser.parse_args(argv)
-    only = [f for f in args.only.split(",") if f]
-    if unknown := set(only) - set(FIGURES):
-        parser.error(
-            f"--only: unknown figure(s) {', '.join(sorted(unknown))} (choose from {', '.join(FIGURES)})"
-        )
+    only = selected_figures(parser, args.only, FIGURES)
     if {"rss", "attach", "slowdown"} & set(only) and os.geteuid() != 0:
         print("error: rss, attach and slowdown attach eBPF probes\nhint: run as root, or --only otlp,ingest",
               file=sys.stderr)  # fmt: skip

@@ -44,6 +44,16 @@ SHOWN = {"ingest": ["events/s", "events/CPU-s", "cpu_s"], "attach": ["first even
          "otlp": ["spans/s", "spans/CPU-s"], "tokens": ["tokens/s", "cpu_s"]}  # fmt: skip
 
 
+def selected_figures(parser: argparse.ArgumentParser, only: str, figures: tuple[str, ...]) -> list[str]:
+    """The figures of a comma-separated --only; an unknown one is a usage error (parser.error)."""
+    chosen = [f for f in only.split(",") if f]
+    if unknown := set(chosen) - set(figures):
+        parser.error(
+            f"--only: unknown figure(s) {', '.join(sorted(unknown))} (choose from {', '.join(figures)})"
+        )
+    return chosen
+
+
 def byte_compiled(*trees: Path) -> None:
     """Byte-compile each tree's agent package, as `pip install` does: a process started with
     PYTHONDONTWRITEBYTECODE=1 (this sandbox sets it) compiles every module whose .pyc is stale on every
@@ -116,11 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16, help="tokens: tokens per request")
     add_json_option(parser)
     args = parser.parse_args(argv)
-    only = [f for f in args.only.split(",") if f]
-    if unknown := set(only) - set(FIGURES):
-        parser.error(
-            f"--only: unknown figure(s) {', '.join(sorted(unknown))} (choose from {', '.join(FIGURES)})"
-        )
+    only = selected_figures(parser, args.only, FIGURES)
     if {"attach", "tokens"} & set(only) and os.geteuid() != 0:
         print("error: attach and tokens attach eBPF probes\nhint: run as root, or --only ingest,otlp",
               file=sys.stderr)  # fmt: skip
