@@ -53,6 +53,23 @@ def _port_open(port: int) -> bool:
         return False
 
 
+def stop_process(process: subprocess.Popen | None, timeout: float) -> None:
+    """SIGTERM a server we started and wait for its exit; SIGKILL it if it hangs (no-op when gone)."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        kill_process(process)
+
+
+def kill_process(process: subprocess.Popen | None) -> None:
+    if process is not None and process.poll() is None:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
 class Rotel:
     """One rotel-agent process; `restart()` keeps the ports and starts a new log file."""
 
@@ -106,18 +123,10 @@ class Rotel:
 
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM (rotel drains what it accepted) and wait for the exit; SIGKILL if it hangs."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_process(self.process, timeout)
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        kill_process(self.process)
 
     def restart(self) -> Rotel:
         self.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from grpc_tools import protoc
@@ -32,19 +33,37 @@ def main(argv: list[str] | None = None) -> int:
     if not stale:
         print(f"[setup] protobuf code up to date ({len(protos)} files in {_shown(out_dir)})")
         return 0
-    for proto in stale:
-        args = [
-            "protoc",
-            f"--proto_path={PROTO_DIR}",
-            f"--python_out={out_dir}",
-            f"--pyi_out={out_dir}",
-            str(proto),
-        ]
-        if protoc.main(args) != 0:
-            print(f"[setup] error: protoc failed on {proto}", file=sys.stderr)
-            return 1
-        print(f"[setup] generated {_shown(out_dir)}/{proto.stem}_pb2.py from proto/{proto.name}")
+    with tempfile.TemporaryDirectory() as tmp:
+        imports = Path(tmp) / "opentelemetry.pb"
+        imports.write_bytes(_opentelemetry_descriptors())
+        for proto in stale:
+            args = [
+                "protoc",
+                f"--proto_path={PROTO_DIR}",
+                f"--descriptor_set_in={imports}",
+                f"--python_out={out_dir}",
+                f"--pyi_out={out_dir}",
+                str(proto),
+            ]
+            if protoc.main(args) != 0:
+                print(f"[setup] error: protoc failed on {proto}", file=sys.stderr)
+                return 1
+            print(f"[setup] generated {_shown(out_dir)}/{proto.stem}_pb2.py from proto/{proto.name}")
     return 0
+
+
+def _opentelemetry_descriptors() -> bytes:
+    """A FileDescriptorSet of the installed opentelemetry-proto's common and resource files: what
+    proto/otel_process_context.proto imports. The package ships generated code, not .proto sources, so
+    protoc gets the descriptors that code carries; the generated module then imports that package."""
+    from google.protobuf import descriptor_pb2
+    from opentelemetry.proto.common.v1 import common_pb2
+    from opentelemetry.proto.resource.v1 import resource_pb2
+
+    files = descriptor_pb2.FileDescriptorSet()
+    for module in (common_pb2, resource_pb2):  # dependencies first, as protoc wants them
+        module.DESCRIPTOR.CopyToProto(files.file.add())
+    return files.SerializeToString()
 
 
 def _shown(path: Path) -> Path:

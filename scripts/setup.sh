@@ -11,7 +11,10 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="$ROOT/.venv"
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
-APT_PACKAGES=(python3-bpfcc bpfcc-tools bpftool linux-headers-amd64 libpython3.11 python3-venv gcc libc6-dev)
+# iproute2: `ip link set lo up` in the network namespace the Phoenix e2e test makes (bench/phoenix_harness.py);
+# chromium: headless screenshots of Phoenix's UI and the Perfetto trace for docs/ (scripts/docs_pictures.py)
+APT_PACKAGES=(python3-bpfcc bpfcc-tools bpftool linux-headers-amd64 libpython3.11 python3-venv python3-dev gcc libc6-dev
+              iproute2 chromium)
 
 say() { printf '[setup] %s\n' "$*"; }
 # pip, minus the "Location ... is ignored" lines that this machine's pip.conf (local wheel folders that
@@ -107,10 +110,14 @@ if [ "$(readlink "$BRIDGE/bcc" 2>/dev/null)" != /usr/lib/python3/dist-packages/b
   say "bridged Debian's bcc into the venv ($SITE/llmobs-bcc.pth)"
 fi
 
-# Python packages: reinstalled only when pyproject.toml changes (a stamp holds its hash).
+# Python packages: reinstalled only when what the install builds from changes (a stamp holds its hash):
+# pyproject.toml, setup.py, this script and the thread-context library's C source, which the editable
+# install compiles into the tree (setup.py); or when that library is missing.
 STAMP="$VENV/.llmobs-installed"
-WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+TCTX_SRC="$ROOT/agent/llmobs/shm/c/otel_thread_ctx.c"
+TCTX_LIB="$ROOT/agent/llmobs/shm/c/libllmobs_otel_thread_ctx.so"
+WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/scripts/setup.sh" "$TCTX_SRC" | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || [ ! -f "$TCTX_LIB" ]; then
   say "installing Python packages into $VENV (torch $TORCH_VERSION CPU build first, then llmobs-agent[test] editable)"
   pip_install "torch==$TORCH_VERSION"
   pip_install -e "$ROOT[test]"
@@ -124,6 +131,18 @@ fi
 
 # --- 5. generated protobuf code ----------------------------------------------------------------
 "$VENV/bin/python" "$ROOT/scripts/gen_proto.py"
+
+# --- 5b. the OTEP 4947 thread-context library (the TLS symbol otel_thread_ctx_v1 in .dynsym) --------
+# Built by the editable install above (setup.py's build_ext, which also makes it a CPython extension
+# when the interpreter's headers are there, as python3-dev puts them). setup.py only warns when it
+# cannot build it; here, with gcc and the headers installed, a missing library is an error.
+TCTX_FACE=$("$VENV/bin/python" -c 'from llmobs.shm import thread_ctx as t
+print("extension" if t.uses_extension() else "ctypes" if t.available() else "none")')
+case "$TCTX_FACE" in
+  extension) say "thread-context library loads (${TCTX_LIB#"$ROOT"/}, with its CPython extension)" ;;
+  ctypes) say "thread-context library loads (${TCTX_LIB#"$ROOT"/}; ctypes only: the interpreter's headers were not found)" ;;
+  *) die "the thread-context library ${TCTX_LIB#"$ROOT"/} was not built or does not load; see why with: $VENV/bin/pip install -v --no-deps -e $ROOT" ;;
+esac
 
 # --- 6. check the result -----------------------------------------------------------------------
 "$VENV/bin/python" -c 'import bcc, torch, duckdb, llmobs, fastapi, uvicorn, openai' \

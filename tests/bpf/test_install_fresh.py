@@ -1,7 +1,8 @@
 """`pip install .` on a fresh host: a wheel built from the checkout's files (no generated code, no build
 outputs: what a clean clone has), installed into a fresh venv outside the checkout, runs `llmobs-agent
-demo` from another directory. The BPF C sources, the demo workload and the protobuf code must all come
-from the wheel; the source tree is not on the path (bpf tier: the demo attaches probes).
+demo` from another directory. The BPF C sources, the demo workload, the protobuf code and the compiled
+thread-context library must all come from the wheel; the source tree is not on the path (bpf tier:
+the demo attaches probes).
 
 The slowest bpf test (a wheel build, then a demo): one case. Dependencies are not reinstalled: the fresh
 venv sees this venv's site-packages (torch, duckdb, bcc's bridge) through a .pth file, after its own, so
@@ -71,13 +72,19 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_the_demo_from_another_directory(
     (site / "llmobs-test-deps.pth").write_text("\n".join(_dependency_paths()) + "\n")
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("LLMOBS_")}
-    where_from = "import llmobs, llmobs._proto.llmobs_pb2 as pb; print(llmobs.__file__); print(pb.__file__)"
+    # the thread-context library setup.py compiles (OTEP 4947), loaded as the extension module it is
+    where_from = (
+        "import llmobs, llmobs._proto.llmobs_pb2 as pb; print(llmobs.__file__); print(pb.__file__)\n"
+        "from llmobs.shm import thread_ctx as t; print(t.LIBRARY if t.uses_extension() else 'not-loaded')"
+    )
     where = subprocess.run(
         [python, "-c", where_from],
         capture_output=True, text=True, cwd=elsewhere, env=env, timeout=60,
     )  # fmt: skip
     assert where.returncode == 0, where.stderr
-    for module_file in where.stdout.split():
+    module_files = where.stdout.split()
+    assert len(module_files) == 3 and Path(module_files[2]).is_file(), where.stdout
+    for module_file in module_files:
         assert Path(module_file).is_relative_to(site), (module_file, site)
     out = elsewhere / "demo"
     demo = subprocess.run(

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import tracemalloc
 
-import numpy as np
 import psutil
 import pyarrow as pa
 import pytest
@@ -44,22 +43,7 @@ def fill(
         pid, requests, tokens, batch_rows=2, start_ns=start_ns, step_seq_start=seq_start, seed=pid
     )
     events = synthetic.events_for_steps(steps, seed=pid)
-    passes = synthetic.forward_passes(steps)
-    n = passes.num_rows * len(KERNELS)
-    t0 = np.repeat(passes["t_start_ns"].to_numpy(), len(KERNELS))
-    cupti = pa.table(
-        {
-            "pid": np.full(n, pid, dtype=np.int32),
-            "ts_ns": t0 + 1000,
-            "probe": pa.array(["cupti_kernel"] * n),
-            "step_seq": np.zeros(n, dtype=np.int64),
-            "source": pa.array(["cupti"] * n),
-            "name": pa.array(list(KERNELS) * passes.num_rows),
-            "external_id": np.repeat(passes["step_seq"].to_numpy(), len(KERNELS)),
-            "gpu_start_ns": t0 + 2000,
-            "gpu_end_ns": t0 + 2000 + np.tile(np.array([300_000, 200_000, 50_000]), passes.num_rows),
-        }
-    )
+    cupti = synthetic.cupti_kernels(steps, KERNELS, (300_000, 200_000, 50_000))
     store.append({"token_steps": steps, "events": events, "gpu_ops": cupti})
     store.upsert_process(pid, 1, exe="/usr/bin/python3", cmdline=f"python3 serve.py --worker {pid}")
     correlate.correlate(store.connection)

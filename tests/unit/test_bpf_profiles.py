@@ -49,7 +49,7 @@ def test_cuda_profile_covers_the_issue_list():
 
 
 def test_assemble_inlines_each_file_once_and_instantiates_templates():
-    text = assemble(probes_of(("cpu", "gemm", "mem", "host", "cuda")))
+    text = assemble(probes_of(("cpu", "gemm", "mem", "host", "cuda", "threadctx")))
     assert text.count("---- llmobs_events.h ----") == 1
     assert text.count("---- llmobs_abi.h ----") == 1
     for source in {probe.source for probe in PROBES}:
@@ -69,8 +69,8 @@ def test_assemble_inlines_each_file_once_and_instantiates_templates():
 
 
 def test_every_uprobe_program_exists_for_its_probe():
-    text = assemble(probes_of(("cpu", "gemm", "mem", "host")))
-    for probe in probes_of(("cpu", "gemm", "mem", "host")):
+    text = assemble(probes_of(("cpu", "gemm", "mem", "host", "threadctx")))
+    for probe in probes_of(("cpu", "gemm", "mem", "host", "threadctx")):
         if probe.hook == "uprobe":
             assert re.search(rf"int uprobe__{probe.name}\(", text)
             returns = probe.timed or probe.optional_duration

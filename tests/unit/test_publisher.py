@@ -202,29 +202,25 @@ print("parent", parent_map, len(b), b.rows()[0]["target_id"], flush=True)
 def test_otel_process_context_is_published(tmp_path):
     code = """
 import os, sys, llmobs, torch
-from llmobs.shm.otel_ctx import read_process_context, _published
+from llmobs.shm.otel_ctx_reader import read_process_context
 m = torch.nn.Linear(2, 2)
 llmobs.instrument(m, model_id="demo-model")
 maps = open(f"/proc/{os.getpid()}/maps").read()
 print(repr([l for l in maps.splitlines() if "OTEL_CTX" in l]))
 import json
-print(json.dumps(read_process_context(os.getpid())))
+print(json.dumps(read_process_context(os.getpid()).to_dict()))
 """
     proc = _run(code, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    maps_line, attrs_line = proc.stdout.strip().splitlines()[-2:]
+    maps_line, context_line = proc.stdout.strip().splitlines()[-2:]
     assert "OTEL_CTX" in maps_line
-    attrs = json.loads(attrs_line)
+    context = json.loads(context_line)
+    assert (context["format"], context["status"]) == ("otep-4719", "ok")  # tests/unit/test_otel_context.py
+    attrs = context["resource"]
     assert attrs["llmobs.model_id"] == "demo-model" and attrs["telemetry.sdk.name"] == "llmobs"
     assert (
         attrs["llmobs.shm.path"].endswith(f"llmobs.{attrs['process.pid']}") and attrs["service.instance.id"]
     )
-    # the payload is a real opentelemetry.proto Resource
-    from llmobs.shm.otel_ctx import encode_resource
-    from opentelemetry.proto.resource.v1.resource_pb2 import Resource
-
-    decoded = Resource.FromString(encode_resource(attrs))
-    assert {kv.key: kv.value.string_value for kv in decoded.attributes} == attrs
 
 
 def test_workload_script_ready_and_summary(tmp_path):

@@ -49,7 +49,9 @@ def test_inspect_live_process_json_and_text(workload, tmp_path):
     assert len(info["steps"]) == 3 and info["steps"][-1]["tenant"] == "acme"
     assert info["context"]["step_seq"] == 0  # idle between requests: untracked
     otel = info["otel_process_context"]
-    assert otel["llmobs.model_id"] == "tiny-gpt2" and otel["process.pid"] == str(workload.pid)
+    assert otel["format"] == "otep-4719" and otel["status"] == "ok"
+    assert otel["resource"]["llmobs.model_id"] == "tiny-gpt2"
+    assert otel["resource"]["process.pid"] == str(workload.pid)
     text = _inspect("--pid", str(workload.pid), shm_dir=tmp_path)
     assert text.returncode == 0 and "steps ring head 8" in text.stdout and "acme/session-1" in text.stdout
 

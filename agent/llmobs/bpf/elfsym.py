@@ -33,6 +33,7 @@ _SYM_DTYPE = np.dtype(
 _SHT_SYMTAB = 2
 _SHT_DYNSYM = 11
 _PT_LOAD = 1
+_STT_OBJECT = 1
 _STT_FUNC = 2
 _STT_GNU_IFUNC = 10
 
@@ -159,6 +160,29 @@ class ElfFile:
                 if file_offset is not None:
                     return Symbol(name, int(sym["st_value"]), int(sym["st_size"]), file_offset)
         return None
+
+    def data_address(self, name: str) -> int | None:
+        """st_value of the defined data object `name` (STT_OBJECT, .dynsym first), or None: where a
+        global variable lies relative to the object's load address."""
+        wanted = name.encode() + b"\0"
+        for symbols, strtab in self._tables:
+            start, end = strtab["offset"], strtab["offset"] + strtab["size"]
+            pos, candidates = self._map.find(wanted, start, end), []
+            while pos >= 0:
+                candidates.append(pos - start)
+                pos = self._map.find(wanted, pos + 1, end)
+            hits = np.flatnonzero(
+                np.isin(symbols["st_name"], candidates)
+                & (symbols["st_shndx"] != 0)
+                & ((symbols["st_info"] & 0xF) == _STT_OBJECT)
+            )
+            if len(hits):
+                return int(symbols[hits[0]]["st_value"])
+        return None
+
+    def first_load_vaddr(self) -> int:
+        """The lowest PT_LOAD address (0 for a shared object linked the usual way)."""
+        return min((vaddr for vaddr, _size, _offset in self._loads), default=0)
 
     def code_at(self, symbol: Symbol, length: int = 16) -> bytes:
         return bytes(self._map[symbol.file_offset : symbol.file_offset + length])

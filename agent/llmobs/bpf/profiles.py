@@ -117,10 +117,12 @@ PROBES: tuple[Probe, ...] = (
     _cuda("ncclRecv", LIB_NCCL, True, "PT_REGS_PARM2(ctx)"),
     # cpu: the linear op above the GEMM, one call per nn.Linear (appended: ids only ever grow)
     Probe("linear", "cpu", "compute", "linear", "uprobe", LIB_TORCH_CPU, SYM_LINEAR),
+    # threadctx: the same op, read as a profiler reads OTEP 4947: value = the thread's record's span id
+    Probe("thread_span", "threadctx", "host", "thread_span", "uprobe", LIB_TORCH_CPU, SYM_LINEAR),
 )
 
 PROBE_IDS = {probe.name: index for index, probe in enumerate(PROBES)}
-PROFILES = ("cpu", "gemm", "mem", "host", "cuda")
+PROFILES = ("cpu", "gemm", "mem", "host", "cuda", "threadctx")
 DEFAULT_PROFILES = ("cpu", "host")
 
 

@@ -170,17 +170,25 @@ class ProbeProgram:
         """Occupied target slots: slot -> (pid, context-cell address)."""
         raw = self._map("llmobs_targets").read_array()
         slots = {}
-        for slot, (pid, _pad, cell) in enumerate(_TARGET.iter_unpack(raw)):
+        for slot, (pid, _pad, cell, _threads) in enumerate(_TARGET.iter_unpack(raw)):
             if pid:
                 slots[slot] = (pid, cell)
         return slots
+
+    def target_threads(self, pid: int) -> int:
+        """The thread-record registry address set for pid (0: none; its events use the cell only)."""
+        value = self._map("llmobs_targets").lookup(_U32.pack(pid % TARGET_SLOTS))
+        unpacked = _TARGET.unpack(value) if value else (0, 0, 0, 0)
+        return unpacked[3] if unpacked[0] == pid else 0
 
     def _slot_pid(self, slot: int) -> int:
         value = self._map("llmobs_targets").lookup(_U32.pack(slot))
         return _TARGET.unpack(value)[0] if value else 0
 
-    def set_target(self, pid: int, cell_address: int) -> None:
-        """Makes pid a target (slot pid % TARGET_SLOTS); cell_address 0 tags its events untracked."""
+    def set_target(self, pid: int, cell_address: int, threads: int = 0) -> None:
+        """Makes pid a target (slot pid % TARGET_SLOTS); cell_address 0 tags its events untracked.
+        `threads`: the address of its thread-context registry (each thread's own record tags that
+        thread's events), 0 when it has none."""
         slot = pid % TARGET_SLOTS
         if pid == os.getpid():  # calibration: the handlers run in this thread, on this process's probes
             self._dirty = self._dirty or "own"
@@ -193,12 +201,12 @@ class ProbeProgram:
                 f"pid {pid} shares its target slot with pid {holder}, attached already",
                 hint="attach one of them at a time",
             )
-        self._map("llmobs_targets").update(_U32.pack(slot), _TARGET.pack(pid, 0, cell_address))
+        self._map("llmobs_targets").update(_U32.pack(slot), _TARGET.pack(pid, 0, cell_address, threads))
 
     def remove_target(self, pid: int) -> None:
         slot = pid % TARGET_SLOTS
         if self._slot_pid(slot) == pid:
-            self._map("llmobs_targets").update(_U32.pack(slot), _TARGET.pack(0, 0, 0))
+            self._map("llmobs_targets").update(_U32.pack(slot), _TARGET.pack(0, 0, 0, 0))
 
     def set_watched_fds(self, pid: int, fds: set[int]) -> None:
         """Replaces the (pid, fd) set the ioctl probe watches."""
@@ -315,7 +323,7 @@ class ProbeProgram:
 
 _U32 = struct.Struct("<I")
 _CONFIG = struct.Struct("<QQ")  # struct llmobs_config
-_TARGET = struct.Struct("<IIQ")  # struct llmobs_target
+_TARGET = struct.Struct("<IIQQ")  # struct llmobs_target
 _FD_KEY = struct.Struct("<II")  # struct llmobs_fd_key
 
 

@@ -11,6 +11,7 @@ import numpy as np
 KINDS = ("mem", "gpu", "host", "compute")  # index = LLMOBS_KIND_*
 FLAG_TRACKED = 1
 FLAG_TORN = 2
+FLAG_THREAD = 4  # tagged from the thread's own OTEP 4947 record (llmobs_read_thread_tag)
 SAMPLE_MODES = {"trace": 0, "cpu": 1}
 
 # indices of llmobs_counters (LLMOBS_CTR_*)

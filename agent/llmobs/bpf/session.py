@@ -28,6 +28,7 @@ from llmobs.bpf.profiles import Probe, probes_of
 from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
 from llmobs.bpf.records import COUNTERS, RING_RECORD_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
+from llmobs.bpf.thread_records import find_thread_registry
 from llmobs.errors import AccessDenied, NothingAttached, NotTracked
 from llmobs.procfs import MapEntry, ProcFS
 from llmobs.rerun import as_root_hint
@@ -182,6 +183,7 @@ class AttachSession:
         self.notes: list[str] = []
         self.stats = Stats()
         self.cell_address = 0
+        self.threads_address = 0  # the thread-context registry (bpf/thread_records.py), 0: none
         self.totals = aggregates.Totals()
         self._start_ticks = 0
         self._ring: RingConsumer | None = None
@@ -250,7 +252,8 @@ class AttachSession:
             self._ring = RingConsumer(program.map_fd("llmobs_events"), program.ring_bytes)
             self._ring.drain()  # leftovers of a previous session of a reused program
         self.cell_address = find_context_cell(self.pid, entries, ctx_offset())
-        program.set_target(self.pid, self.cell_address)
+        self.threads_address = find_thread_registry(self.pid, entries) if self.cell_address else 0
+        program.set_target(self.pid, self.cell_address, self.threads_address)
         self._ncpus = aggregates.possible_cpus()
         try:
             by_name = {r.probe.name: r for r in self.resolved}
@@ -334,10 +337,13 @@ class AttachSession:
         try:
             if force or now >= self._next_maps:
                 self._next_maps = now + MAPS_REFRESH_S[bool(self.cell_address)]
-                address = find_context_cell(self.pid, self.procfs.maps(self.pid), ctx_offset())
-                if address != self.cell_address:  # the map was created (or re-created) after we attached
-                    self.cell_address = address
-                    self.program.set_target(self.pid, address)
+                entries = self.procfs.maps(self.pid)
+                address = find_context_cell(self.pid, entries, ctx_offset())
+                threads = find_thread_registry(self.pid, entries) if address else 0
+                # the map or the thread-context library appeared (or changed) after we attached
+                if address != self.cell_address or threads != self.threads_address:
+                    self.cell_address, self.threads_address = address, threads
+                    self.program.set_target(self.pid, address, threads)
             if any(p.name == "ioctl" for p in self.attached_probes):
                 pattern = self.options.ioctl_paths
                 fds = self.procfs.fds(self.pid)

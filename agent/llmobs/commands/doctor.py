@@ -20,6 +20,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the rows as a JSON list instead of a table"
     )
+    parser.add_argument(
+        "--pid",
+        type=int,
+        default=None,
+        help="also read this process's OpenTelemetry process context (OTEL_CTX)",
+    )
 
 
 def render_table(rows: list[Row]) -> str:
@@ -55,6 +61,10 @@ def verdict(rows: list[Row]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     rows = run_checks()
+    if getattr(args, "pid", None) is not None:
+        from llmobs.hostcheck.otelctx import process_row
+
+        rows.append(process_row(args.pid))
     if args.json:
         print(json.dumps([row.to_dict() for row in rows], indent=2))
     else:

@@ -59,13 +59,31 @@ def collect(pid: int, last: int, shm_dir: str = layout.SHM_DIR) -> dict:
 
 
 def _otel_context(pid: int) -> dict | None:
-    """The process's OTEL_CTX resource attributes (OTEP 4719), if published and readable."""
-    from llmobs.shm.otel_ctx import read_process_context
+    """The process's OTEL_CTX (OTEP 4719) as read: its format (as merged, or the pre-merge draft),
+    status, resource and extra attributes; None when it publishes none or cannot be read."""
+    from llmobs.shm.otel_ctx_reader import read_process_context
 
     try:
-        return read_process_context(pid)
+        context = read_process_context(pid)
     except (OSError, ValueError, IndexError):
         return None
+    return context.to_dict() if context is not None else None
+
+
+def otel_context_line(otel: dict) -> str:
+    """One `otel_ctx` line: which layout, then the identity it carries (or why it did not decode)."""
+    layout_name = {
+        "otep-4719": "OTEP 4719",
+        "pre-merge-draft": "pre-merge draft (epoch timestamp, bare Resource payload)",
+        "development-v1": "development version 1",
+    }.get(otel["format"], otel["format"])
+    if otel["status"] != "ok":
+        return f"otel_ctx   {layout_name} v{otel['version']}  {otel['status']}: {otel['detail']}"
+    resource = otel["resource"]
+    thread = "  thread ctx " + str(otel["attributes"]["threadlocal.schema_version"]) if (
+        "threadlocal.schema_version" in otel["attributes"]) else ""  # fmt: skip
+    return (f"otel_ctx   {layout_name} v{otel['version']}  service.name {resource.get('service.name', '-')}  "
+            f"service.instance.id {resource.get('service.instance.id', '-')}{thread}")  # fmt: skip
 
 
 def run(args) -> int:
@@ -83,8 +101,7 @@ def run(args) -> int:
         )
     otel = info["otel_process_context"]
     if otel:
-        print(f"otel_ctx   service.name {otel.get('service.name', '-')}  "
-              f"service.instance.id {otel.get('service.instance.id', '-')}")  # fmt: skip
+        print(otel_context_line(otel))
     ctx = info["context"]
     if ctx is None:
         print("context    (being updated; try again)")

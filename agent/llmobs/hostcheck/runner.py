@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 
-from llmobs.hostcheck import ebpf, gpu, host
+from llmobs.hostcheck import ebpf, gpu, host, otelctx
 from llmobs.hostcheck.model import Check, Context, Finding, Row, Status
 
 # What the agent needs for its CPU probe profile; `doctor` exits non-zero unless all of these work.
@@ -36,6 +36,7 @@ def default_checks() -> list[Check]:
         ("cuda_driver", "CUDA driver", gpu.check_cuda_driver, 10.0),
         ("nvml", "NVML", gpu.check_nvml, 10.0),
         ("cupti", "cupti-python", gpu.check_cupti, 10.0),
+        ("otel_context", "OpenTelemetry contexts", otelctx.check_otel_context, 2.0),
     ]
     return [Check(cid, title, fn, timeout, cid in required) for cid, title, fn, timeout in table]
 

@@ -1,64 +1,52 @@
-"""Publishes the process's resource attributes in the OpenTelemetry process-context format (OTEP 4719).
+"""Publishes the process's resource attributes as an OpenTelemetry process context (OTEP 4719 as merged,
+opentelemetry-specification oteps/profiles/4719-process-ctx.md; format in llmobs.shm.otel_ctx_format).
 
-Other OpenTelemetry eBPF tools (the eBPF profiler) find a mapping named OTEL_CTX in /proc/PID/maps
-and read from it: signature "OTEL_CTX" (char[8], written last), version u32 = 2, payload_size u32,
-published_at_ns u64 (ns since the epoch; 0 while an update is in progress), payload pointer u64,
-then the payload: an opentelemetry.proto.resource.v1.Resource protobuf. We place the payload right
-after the 32-byte header in the same mapping. Implemented: publication (memfd_create("OTEL_CTX"),
-falling back to an anonymous mapping; MADV_DONTFORK; prctl(PR_SET_VMA_ANON_NAME) unconditionally,
-errors ignored) and the update protocol. Not implemented: EntityRefs, non-string attribute values.
+Other OpenTelemetry tools (the eBPF profiler, OBI, the Datadog agent) find the mapping by its name in
+/proc/PID/maps and read it. Publication protocol, as the OTEP orders it:
+memfd_create("OTEL_CTX", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL) (again without
+MFD_NOEXEC_SEAL on older kernels), ftruncate, mmap(PROT_READ | PROT_WRITE, MAP_PRIVATE) and close;
+without memfd, an anonymous MAP_PRIVATE mapping; madvise(MADV_DONTFORK); the payload; the header
+with monotonic_published_at_ns = 0; a fence; the CLOCK_BOOTTIME timestamp last; then
+prctl(PR_SET_VMA, PR_SET_VMA_ANON_NAME, ..., "OTEL_CTX") unconditionally. An anonymous mapping that
+cannot be named is unfindable, so that case is a failed publication (the mapping is dropped).
+
+Updating protocol: timestamp 0, fence, the new payload and its pointer and size, fence, a new
+timestamp (strictly greater than the last one), prctl again. The payload sits in the mapping right
+after the header, in one of two slots used in turn, so an update never rewrites the bytes the
+published pointer points at.
+
+Fences: atomic_thread_fence(seq_cst) from the thread-context C library when it is built; without it,
+CPython's stores through the mmap are separate C calls, which x86-64 (TSO) keeps in order.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import mmap
 import os
-import struct
 import sys
 import threading
 import time
 import uuid
 
 from llmobs import environment
+from llmobs.shm import layout, thread_ctx
+from llmobs.shm.otel_ctx_format import HEADER, SIGNATURE, TIMESTAMP_OFFSET, VERSION, encode_payload
 
-SIGNATURE = b"OTEL_CTX"
-VERSION = 2
-HEADER = struct.Struct("<8sIIQQ")  # signature, version, payload_size, published_at_ns, payload pointer
-SIZE = 2 * mmap.PAGESIZE  # header + payload; a payload that does not fit is not published
+SIZE = 2 * mmap.PAGESIZE  # the header and two payload slots; a payload that does not fit is not published
+SLOT = (SIZE - HEADER.size) // 2 & ~7
 PR_SET_VMA = 0x53564D41
 PR_SET_VMA_ANON_NAME = 0
+MFD_CLOEXEC = 0x0001
+MFD_ALLOW_SEALING = 0x0002
+MFD_NOEXEC_SEAL = 0x0008  # Linux 6.3+; os has no name for it before Python 3.12
+NAME = b"OTEL_CTX"
 
-_lock = threading.Lock()
+_lock = threading.Lock()  # one writer: the OTEP's singleton (4947: key-map appends go through it too)
 _published: _ProcessContext | None = None
+last_failure: str | None = None  # why the last publish_process_context() returned False (doctor, tests)
+_orphans: list = []  # mappings a forked child must never unmap (MADV_DONTFORK: the range is not ours)
 instance_id = str(uuid.uuid4())  # service.instance.id of this process (regenerated in a forked child)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (wire type 2)."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
-
-
-def encode_resource(attributes: dict[str, str]) -> bytes:
-    """Resource{attributes: [KeyValue{key, value: AnyValue{string_value}}]} in protobuf wire format."""
-    out = b""
-    for key, value in attributes.items():
-        any_value = _field(1, value.encode("utf-8"))  # AnyValue.string_value = 1
-        out += _field(1, _field(1, key.encode("utf-8")) + _field(2, any_value))  # Resource.attributes = 1
-    return out
 
 
 def default_attributes(model_id: str | None = None) -> dict[str, str]:
@@ -78,124 +66,127 @@ def default_attributes(model_id: str | None = None) -> dict[str, str]:
     writer = current_writer()
     if writer is not None:
         attrs["llmobs.shm.path"] = writer.path
-        attrs["llmobs.shm.abi_version"] = "1"
+        attrs["llmobs.shm.abi_version"] = str(layout.ABI_VERSION)
     return attrs
 
 
-class _ProcessContext:
-    def __init__(self):
-        self.mm = None
+def _boottime_ns() -> int:
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME)
+
+
+def _fence() -> None:
+    thread_ctx.fence()
+
+
+def _memfd() -> int | None:
+    for flags in (MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL, MFD_CLOEXEC | MFD_ALLOW_SEALING):
         try:
-            fd = os.memfd_create("OTEL_CTX", os.MFD_CLOEXEC)
-            try:
-                os.ftruncate(fd, SIZE)
-                self.mm = mmap.mmap(fd, SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)  # the mapping keeps the memfd alive and visible in /proc/PID/maps
+            return os.memfd_create("OTEL_CTX", flags)
         except OSError:
-            self.mm = mmap.mmap(-1, SIZE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        with contextlib.suppress(OSError, AttributeError):
-            self.mm.madvise(mmap.MADV_DONTFORK)  # a child must not inherit (and expose) our identity
-        anchor = ctypes.c_char.from_buffer(self.mm)
-        self.address = ctypes.addressof(anchor)
-        del anchor
-
-    def publish(self, payload: bytes) -> bool:
-        if HEADER.size + len(payload) > SIZE:
-            return False
-        mm = self.mm
-        first = mm[:8] != SIGNATURE
-        if not first:
-            struct.pack_into("<Q", mm, 16, 0)  # published_at_ns = 0: update in progress
-        mm[HEADER.size : HEADER.size + len(payload)] = payload
-        struct.pack_into("<IIQQ", mm, 8, VERSION, len(payload), 0, self.address + HEADER.size)
-        struct.pack_into("<Q", mm, 16, time.time_ns())  # CPython's stores are ordered on x86-64
-        if first:
-            mm[:8] = SIGNATURE  # last: readers never see a half-written context
-        self._name()
-        return True
-
-    def _name(self) -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(PR_SET_VMA, PR_SET_VMA_ANON_NAME, ctypes.c_ulong(self.address), ctypes.c_ulong(SIZE),
-                       ctypes.c_char_p(b"OTEL_CTX"))  # fmt: skip
-        except Exception:  # naming is optional (Linux 5.17+ with CONFIG_ANON_VMA_NAME)
-            pass
-
-
-def publish_process_context(model_id: str | None = None, extra: dict[str, str] | None = None) -> bool:
-    """Publish (or update) this process's OTEL_CTX mapping. Never raises; False if it could not."""
-    global _published
-    try:
-        attrs = default_attributes(model_id)
-        attrs.update(extra or {})
-        with _lock:
-            if _published is None:
-                _published = _ProcessContext()
-            return _published.publish(encode_resource(attrs))
-    except Exception:
-        return False
-
-
-def read_process_context(pid: int, proc_root: str = "/proc") -> dict[str, str] | None:
-    """Reader side (tests, `inspect`): find the OTEL_CTX mapping of `pid` and decode its attributes."""
-    with open(f"{proc_root}/{pid}/maps") as f:
-        lines = [ln for ln in f if "OTEL_CTX" in ln]
-    with open(f"{proc_root}/{pid}/mem", "rb", buffering=0) as mem:
-        for line in lines:
-            start = int(line.split("-", 1)[0], 16)
-            mem.seek(start)
-            raw = mem.read(HEADER.size)
-            sig, version, size, published, ptr = HEADER.unpack(raw)
-            if sig != SIGNATURE or version != VERSION or not published or size > SIZE:
-                continue
-            mem.seek(ptr)
-            payload = mem.read(size)
-            mem.seek(start)
-            if HEADER.unpack(mem.read(HEADER.size))[3] != published:
-                continue  # updated while we read
-            return decode_resource(payload)
+            continue
     return None
 
 
-def decode_resource(payload: bytes) -> dict[str, str]:
-    """Decode string attributes of a Resource (the subset encode_resource writes)."""
+class _ProcessContext:
+    """The mapping, once created; publish() runs the publication or the updating protocol."""
 
-    def fields(buf: bytes):
-        i = 0
-        while i < len(buf):
-            key, i = _read_varint(buf, i)
-            if key & 7 != 2:
-                raise ValueError("unexpected wire type")
-            length, i = _read_varint(buf, i)
-            yield key >> 3, buf[i : i + length]
-            i += length
+    def __init__(self):
+        self.mm: mmap.mmap | None = None
+        self.from_memfd = False
+        fd = _memfd()
+        if fd is not None:
+            try:
+                os.ftruncate(fd, SIZE)
+                self.mm = mmap.mmap(fd, SIZE, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+                self.from_memfd = True
+            except OSError:
+                self.mm = None
+            finally:
+                os.close(fd)  # the mapping keeps the memfd alive and visible in /proc/PID/maps
+        if self.mm is None:
+            self.mm = mmap.mmap(-1, SIZE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.mm.madvise(mmap.MADV_DONTFORK)  # a child must not inherit (and expose) our identity
+        anchor = ctypes.c_char.from_buffer(self.mm)
+        self.address = ctypes.addressof(anchor)
+        del anchor
+        self.words = memoryview(self.mm).cast("Q")  # aligned 8-byte stores (the timestamp's atomicity)
+        self.published_at = 0
+        self.slot = 1
+        self.named = False
 
-    out = {}
-    for number, kv in fields(payload):
-        if number != 1:
-            continue
-        parts = dict(fields(kv))
-        value = dict(fields(parts.get(2, b""))).get(1, b"")
-        out[parts.get(1, b"").decode()] = value.decode()
-    return out
+    def publish(self, payload: bytes) -> bool:
+        if len(payload) > SLOT:
+            return False
+        mm, words = self.mm, self.words
+        slot = 1 - self.slot
+        start = HEADER.size + slot * SLOT
+        stamp = max(_boottime_ns(), self.published_at + 1)  # every update a new, later value
+        if self.published_at:  # updating protocol
+            words[TIMESTAMP_OFFSET >> 3] = 0
+            _fence()
+            mm[start : start + len(payload)] = payload
+            mm[12:16] = len(payload).to_bytes(4, sys.byteorder)
+            words[3] = self.address + start
+        else:  # publication protocol: every field but the timestamp, then the timestamp
+            mm[start : start + len(payload)] = payload
+            HEADER.pack_into(mm, 0, SIGNATURE, VERSION, len(payload), 0, self.address + start)
+        _fence()
+        words[TIMESTAMP_OFFSET >> 3] = stamp
+        self.published_at, self.slot = stamp, slot
+        self.named = self._name() or self.named
+        return self.from_memfd or self.named  # neither: no reader could ever find it
+
+    def _name(self) -> bool:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            return libc.prctl(PR_SET_VMA, PR_SET_VMA_ANON_NAME, ctypes.c_ulong(self.address),
+                              ctypes.c_ulong(SIZE), ctypes.c_char_p(NAME)) == 0  # fmt: skip
+        except Exception:  # naming is optional (Linux 5.17+ with CONFIG_ANON_VMA_NAME)
+            return False
+
+    def close(self) -> None:
+        self.words.release()
+        self.mm.close()
 
 
-def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        byte = buf[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if not byte & 0x80:
-            return value, i
+def publish_process_context(model_id: str | None = None, extra: dict[str, str] | None = None) -> bool:
+    """Publish (or update) this process's OTEL_CTX mapping. Never raises; False if it could not.
+    Resource: default_attributes() and `extra`; ProcessContext.attributes: OTEP 4947's threadlocal.*
+    reference data when the thread-context library is loaded."""
+    global _published, last_failure
+    try:
+        resource = default_attributes(model_id)
+        resource.update(extra or {})
+        payload = encode_payload(resource, thread_ctx.reference_attributes())
+        with _lock:
+            if _published is None:
+                _published = _ProcessContext()
+            if _published.publish(payload):
+                last_failure = None
+                return True
+            last_failure = (
+                f"payload of {len(payload)} B over the {SLOT} B slot"
+                if len(payload) > SLOT
+                else "no memfd and the anonymous mapping could not be named: no reader could find it"
+            )
+            _published.close()  # an unnamed anonymous mapping: unfindable, so not a context at all
+            _published = None
+            return False
+    except Exception as exc:
+        last_failure = f"{type(exc).__name__}: {exc}"
+        return False
+
+
+def published_address() -> int | None:
+    """Where this process's header is (tests), or None."""
+    return _published.address if _published is not None else None
 
 
 def _forget_in_child() -> None:
     global _published, instance_id
-    _published = None  # MADV_DONTFORK: the mapping is gone in the child
+    if _published is not None:
+        _orphans.append(_published)  # MADV_DONTFORK: the mapping is gone here; never munmap its range
+    _published = None
     instance_id = str(uuid.uuid4())
 
 

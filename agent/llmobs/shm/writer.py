@@ -22,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from llmobs import environment
-from llmobs.shm import layout
+from llmobs.shm import layout, thread_ctx
 from llmobs.shm.hashing import name_hash
 from llmobs.shm.identity import process_start_ticks
 from llmobs.shm.leftover import keep_at_exit
@@ -256,6 +256,8 @@ class ShmWriter:
             self.words[off >> 3] = 2 * pos + 2
         if kind < layout.NAME_REQUEST:  # request ids and contexts: published once each, never looked up
             self._names[h] = pos
+        if kind == layout.NAME_TENANT:
+            thread_ctx.remember_tenant(h, text)
 
     # --- the current-context cell -------------------------------------------------------------------
     def begin_step(self, trace_hi: int, trace_lo: int, tenant_hash: int, session_hash: int, rows: int = 0,
@@ -273,6 +275,7 @@ class ShmWriter:
         self._cell_seq = odd + 1
         words[_W_CELL] = odd + 1
         words[_W_HEARTBEAT] = time.monotonic_ns()
+        thread_ctx.attach(self.pid, trace_hi, trace_lo, seq, tenant_hash)  # OTEP 4947: this thread's step
         if self._pending or self._pending_layers:
             self.poll_pending()
         if words[_W_CMD_SEQ] != self._acked_cmd_seq or self._cmd_until is not None:
@@ -290,6 +293,7 @@ class ShmWriter:
         _CELL_BODY.pack_into(mm, cell + 8, 0, 0, 0, 0, 0, 0, 0, 0)
         self._cell_seq = odd + 1
         self.words[cell >> 3] = odd + 1
+        thread_ctx.detach()
         if self.step_hook is not None:
             self.step_hook(0)
 

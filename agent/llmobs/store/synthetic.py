@@ -180,3 +180,28 @@ def aggregates_for_steps(steps: pa.Table, probes: tuple[ProbeSpec, ...], scale: 
             rows["sum_value"].append(spec.count * scale * spec.value)
             rows["sum_duration_ns"].append(spec.count * scale * spec.duration_ns)
     return pa.table(rows)
+
+
+def cupti_kernels(steps: pa.Table, kernels: tuple[str, ...], durations_ns: tuple[int, ...]) -> pa.Table:
+    """CUPTI kernel records (gpu_ops rows) for every forward pass in `steps`: each of `kernels` once per
+    pass, with its duration from `durations_ns`, untagged (step_seq 0) but carrying the pass's step_seq
+    as the external id, as the in-process collector sets it, so correlate joins them by it."""
+    if len(kernels) != len(durations_ns):
+        raise ValueError("one duration per kernel")
+    passes = forward_passes(steps)
+    k, count = len(kernels), passes.num_rows
+    n = count * k
+    t0 = np.repeat(passes["t_start_ns"].to_numpy(), k)
+    return pa.table(
+        {
+            "pid": np.repeat(passes["pid"].to_numpy().astype(np.int32), k),
+            "ts_ns": t0 + 1000,
+            "probe": pa.array(["cupti_kernel"] * n),
+            "step_seq": np.zeros(n, dtype=np.int64),
+            "source": pa.array(["cupti"] * n),
+            "name": pa.array(list(kernels) * count),
+            "external_id": np.repeat(passes["step_seq"].to_numpy(), k),
+            "gpu_start_ns": t0 + 2000,
+            "gpu_end_ns": t0 + 2000 + np.tile(np.asarray(durations_ns, dtype=np.int64), count),
+        }
+    )

@@ -22,6 +22,7 @@
 
 #define LLMOBS_FLAG_TRACKED 1 /* the process has a context cell and it was read */
 #define LLMOBS_FLAG_TORN 2    /* the cell's seq stayed odd: tag may mix two steps */
+#define LLMOBS_FLAG_THREAD 4  /* the tag is the thread's own (its OTEP 4947 record), not the cell's */
 
 #define LLMOBS_SAMPLE_TRACE 0
 #define LLMOBS_SAMPLE_CPU 1
@@ -91,7 +92,11 @@ struct llmobs_target {
     u32 pid;
     u32 pad;
     u64 cell;
+    u64 threads; /* llmobs_thread_ctx_registry in the target (shm/c/otel_thread_ctx.c); 0: none */
 };
+
+/* The thread-context library's registry: slot tid % 1024 = (tid, address of that thread's record). */
+#define LLMOBS_THREAD_SLOTS 1024
 
 /* The sampling knobs, set by the agent. */
 struct llmobs_config {
@@ -164,8 +169,64 @@ static __always_inline u64 llmobs_mix64(u64 x)
     return x;
 }
 
-/* Reads (trace id, step) of process tgid from its context cell. Returns -1 when tgid is not a target. */
-static __always_inline int llmobs_read_tag(u32 tgid, struct llmobs_tag *tag)
+/* The current thread's own tag, from its OTEP 4947 Thread-Local Context Record (found through the
+ * library's registry, by tid): the trace id, and step_seq from the record's first attribute, which the
+ * writer always puts first (key 1, decimal). Returns 1 when the thread has a record (valid: its step;
+ * invalid: no step now, step_seq 0), 0 when it has none (the caller reads the process cell).
+ * span_id: where the valid record's span id goes (its 8 bytes as a little-endian u64), or a constant 0
+ * (every probe but thread_span): always inlined, the store is compiled out of those handlers. */
+static __always_inline int llmobs_read_thread_tag(u64 registry, struct llmobs_tag *tag, u64 *span_id)
+{
+    struct {
+        u32 tid;
+        u32 pad;
+        u64 record;
+    } slot;
+    struct {
+        u8 trace_id[16];
+        u8 span_id[8];
+        u8 valid;
+        u8 trace_flags;
+        u16 attrs_size;
+        u8 key;
+        u8 len;
+        u8 digits[20];
+    } __attribute__((packed)) rec;
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    u64 seq = 0, hi, lo;
+
+    if (bpf_probe_read_user(&slot, sizeof(slot), (void *)(registry + (u64)(tid & (LLMOBS_THREAD_SLOTS - 1)) * 16)))
+        return 0;
+    if (slot.tid != tid || slot.record == 0)
+        return 0;
+    if (bpf_probe_read_user(&rec, sizeof(rec), (void *)slot.record))
+        return 0;
+    tag->flags |= LLMOBS_FLAG_TRACKED | LLMOBS_FLAG_THREAD;
+    if (rec.valid != 1 || rec.key != 1 || rec.len == 0 || rec.len > 20 || rec.attrs_size < 2 + rec.len)
+        return 1; /* detached (between requests): this thread runs no step */
+#pragma unroll
+    for (int i = 0; i < 20; i++) {
+        if (i < rec.len) {
+            u8 c = rec.digits[i];
+            if (c < '0' || c > '9')
+                return 1;
+            seq = seq * 10 + (c - '0');
+        }
+    }
+    __builtin_memcpy(&hi, rec.trace_id, 8);
+    __builtin_memcpy(&lo, rec.trace_id + 8, 8);
+    if (span_id)
+        __builtin_memcpy(span_id, rec.span_id, 8);
+    tag->step_seq = seq;
+    tag->trace_id_hi = __builtin_bswap64(hi); /* W3C bytes are big-endian; the cell's words are not */
+    tag->trace_id_lo = __builtin_bswap64(lo);
+    return 1;
+}
+
+/* Reads (trace id, step) of process tgid: the current thread's own record when it has one, else the
+ * process's context cell. Returns -1 when tgid is not a target. span_id: as llmobs_read_thread_tag's
+ * (left alone when the tag comes from the cell, which holds no span id). */
+static __always_inline int llmobs_read_tag_span(u32 tgid, struct llmobs_tag *tag, u64 *span_id)
 {
     struct {
         u64 seq;
@@ -180,6 +241,8 @@ static __always_inline int llmobs_read_tag(u32 tgid, struct llmobs_tag *tag)
     if (!target || target->pid != tgid || tgid == 0)
         return -1;
     if (target->cell == 0)
+        return 0;
+    if (target->threads && llmobs_read_thread_tag(target->threads, tag, span_id))
         return 0;
     if (bpf_probe_read_user(&cell, sizeof(cell), (void *)target->cell)) {
         llmobs_count(LLMOBS_CTR_CTX_FAULTS);
@@ -197,6 +260,12 @@ static __always_inline int llmobs_read_tag(u32 tgid, struct llmobs_tag *tag)
     tag->trace_id_lo = cell.trace_id_lo;
     tag->flags |= LLMOBS_FLAG_TRACKED;
     return 0;
+}
+
+/* The tag alone: what every probe but thread_span reads. */
+static __always_inline int llmobs_read_tag(u32 tgid, struct llmobs_tag *tag)
+{
+    return llmobs_read_tag_span(tgid, tag, 0);
 }
 
 /* The 1/N decision: by trace id (a request kept whole or not at all), else by a per-CPU counter. */
@@ -219,9 +288,11 @@ static __always_inline int llmobs_keep(struct llmobs_tag *tag)
 }
 
 /* Counts the event exactly in llmobs_aggs, then ships it to the ring if the sampler keeps it.
- * ts_ns 0 means "now": read only for a kept event, since a clock read costs ~75 ns a hit here. */
-static __always_inline void llmobs_record(u32 pid, u32 tid, u16 probe, u8 kind, struct llmobs_tag *tag,
-                                          u64 ts_ns, u64 value, u64 duration_ns)
+ * ts_ns 0 means "now": read only for a kept event, since a clock read costs ~75 ns a hit here.
+ * sum_value: what the aggregate adds up (value, but for thread_span, whose value is an id, not a
+ * quantity: 0, so a sum of ids never overflows the store's signed sum_value). */
+static __always_inline void llmobs_record_as(u32 pid, u32 tid, u16 probe, u8 kind, struct llmobs_tag *tag,
+                                             u64 ts_ns, u64 value, u64 sum_value, u64 duration_ns)
 {
     struct llmobs_agg_key key = {.pid = pid, .probe = probe, .step_seq = tag->step_seq};
     struct llmobs_agg_val *agg = llmobs_aggs.lookup(&key);
@@ -234,7 +305,7 @@ static __always_inline void llmobs_record(u32 pid, u32 tid, u16 probe, u8 kind, 
     }
     if (agg) {
         agg->count += 1;
-        agg->sum_value += value;
+        agg->sum_value += sum_value;
         agg->sum_duration_ns += duration_ns;
     } else {
         llmobs_count(LLMOBS_CTR_AGG_OVERFLOW);
@@ -261,6 +332,13 @@ static __always_inline void llmobs_record(u32 pid, u32 tid, u16 probe, u8 kind, 
     ev->duration_ns = duration_ns;
     llmobs_events.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);
     llmobs_count(LLMOBS_CTR_SAMPLED);
+}
+
+/* llmobs_record_as with the value summed: every probe but thread_span. */
+static __always_inline void llmobs_record(u32 pid, u32 tid, u16 probe, u8 kind, struct llmobs_tag *tag,
+                                          u64 ts_ns, u64 value, u64 duration_ns)
+{
+    llmobs_record_as(pid, tid, probe, kind, tag, ts_ns, value, value, duration_ns);
 }
 
 /* A point event of the current thread: tag, count, sample. */
