@@ -18,6 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmobs import environment
+from llmobs.diagnostics.detectors import (
+    AGENT_DETECTOR,
+    DEFAULT_ALARM_RATE,
+    MAX_ALARM_RATE,
+    MIN_ALARM_RATE,
+    DetectorConfig,
+    config_of,
+)
 from llmobs.errors import ConfigError
 from llmobs.governor.governor import DEFAULT_COST_SCALE
 
@@ -267,7 +275,7 @@ SETTINGS: tuple[Setting, ...] = (
         environment.LLMOBS_PROFILES,
         "--profile",
         _profiles,
-        "a list from cpu, gemm, mem, host, cuda",
+        "a list from cpu, gemm, mem, host, cuda, threadctx",
         "probe profiles attached to every target",
         metavar="LIST",
         flag_help="probe profiles, e.g. cpu,host",
@@ -415,7 +423,85 @@ SETTINGS: tuple[Setting, ...] = (
         "an integer in [1, 4096]",
         "at most this many processes are attached at once",
     ),
+    # the token-loss anomaly detectors (docs/diagnostics.md); every target's pipeline gets the same
+    Setting(
+        "detector.name",
+        "detector",
+        AGENT_DETECTOR,
+        environment.LLMOBS_DETECTOR,
+        "--detector",
+        _choice("calibrated", "ttest", "mad", "both", "all", "off"),
+        "calibrated, ttest, mad, both (ttest and mad), all or off",
+        "the token-loss anomaly detectors run on every token step",
+        live=False,
+        metavar="NAME",
+        flag_help="token-loss anomaly detectors: calibrated, ttest, mad, both, all or off",
+    ),
+    Setting(
+        "detector.alarm_rate",
+        "alarm_rate",
+        DEFAULT_ALARM_RATE,
+        environment.LLMOBS_ALARM_RATE,
+        "--alarm-rate",
+        _float_between(MIN_ALARM_RATE, MAX_ALARM_RATE),
+        f"a fraction in [{MIN_ALARM_RATE:g}, {MAX_ALARM_RATE:g}], e.g. 1e-4 for 1 per 10,000 tokens",
+        "calibrated: false alarms per clean token; no verdict until a reference holds 1 / rate tokens",
+        live=False,
+        metavar="RATE",
+        flag_help="calibrated detector: false alarms per clean token, e.g. 1e-4",
+    ),
+    Setting(
+        "detector.fdr",
+        "fdr",
+        DetectorConfig.fdr,
+        environment.LLMOBS_DETECTOR_FDR,
+        None,
+        _float_between(0.0, 0.5, low_open=True),
+        "a fraction in (0, 0.5]",
+        "calibrated: the Benjamini-Hochberg level of a request's verdict",
+        live=False,
+    ),
+    Setting(
+        "detector.window",
+        "detector_window",
+        DetectorConfig.window,
+        environment.LLMOBS_DETECTOR_WINDOW,
+        "--detector-window",
+        _int_between(2, 4096),
+        "an integer in [2, 4096]",
+        "ttest, mad: the preceding tokens of the request each loss is compared with",
+        live=False,
+        metavar="N",
+        flag_help="ttest, mad: tokens of the request each loss is compared with",
+    ),
+    Setting(
+        "detector.alpha",
+        "alpha",
+        DetectorConfig.alpha,
+        environment.LLMOBS_DETECTOR_ALPHA,
+        "--alpha",
+        _float_between(0.0, 0.5, low_open=True),
+        "a fraction in (0, 0.5]",
+        "ttest: the one-sided significance level",
+        live=False,
+        metavar="A",
+        flag_help="ttest: significance level",
+    ),
+    Setting(
+        "detector.mad_threshold",
+        "mad_threshold",
+        DetectorConfig.mad_threshold,
+        environment.LLMOBS_DETECTOR_MAD_THRESHOLD,
+        "--mad-threshold",
+        _float_between(0.0, 1000.0, low_open=True),
+        "a number in (0, 1000]",
+        "mad: the modified z-score above which a token is flagged",
+        live=False,
+        metavar="Z",
+        flag_help="mad: modified z-score to flag",
+    ),
 )
+DETECTOR_KEYS = tuple(s.key for s in SETTINGS if s.key.startswith("detector."))
 BY_KEY = {setting.key: setting for setting in SETTINGS}
 
 # The OTLP flags: their keys are llmobs.otlp.config's (it parses them, with the OTEL_* variables).
@@ -475,3 +561,24 @@ def flag_values(
         origin = f"flag {item.option}" if raw is not None else "default"
         values[item.key] = parse_value(setting, setting.default if raw is None else raw, origin, hint)
     return values
+
+
+def add_detector_arguments(parser: argparse.ArgumentParser) -> None:
+    """The detectors' flags, for the commands that run a pipeline (attach; `run` has them from the
+    settings table): one vocabulary, parser and default with the daemon's detector.* keys. Here, not in
+    llmobs.diagnostics: the diagnostics layer is below the settings (docs/architecture.md)."""
+    add_flags(parser, detector_flags())
+
+
+def detector_flags() -> list[Flag]:
+    """The flags of the detector.* settings that have one."""
+    return [flag(key) for key in DETECTOR_KEYS if BY_KEY[key].flag is not None]
+
+
+def detector_config(args: argparse.Namespace) -> DetectorConfig | None:
+    """The DetectorConfig the flags ask for (None: --detector off); ValueError names a bad value."""
+    try:
+        values = flag_values(args, detector_flags())
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return config_of(values)

@@ -32,7 +32,10 @@ def _run(tmp_path) -> tuple:
     args = ("--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS), "--threads", "1",
             "--spike-steps", str(SPIKE), "--spike-alloc-bytes", str(SPIKE_BYTES))  # fmt: skip
     with HeldWorkload(*args) as workload:
-        agent = Agent("--pid", str(workload.pid), "--profile", "cpu,mem,host", "--db", str(db))
+        # the windowed detectors (the default), named: verdicts from token 8 on (calibrated warms up)
+        agent = Agent(
+            "--pid", str(workload.pid), "--profile", "cpu,mem,host", "--db", str(db), "--detector", "both"
+        )
         agent.wait_for("attached in")
         workload.generate()
         agent.proc.send_signal(signal.SIGINT)

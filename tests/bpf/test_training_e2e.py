@@ -1,6 +1,7 @@
 """Training mode end to end: the tiny GPT-2 in a real training loop (scripts/train_workload.py, its own
 process) with a corrupted batch at a known step, under the real `llmobs-agent attach --db`: the agent's
-training monitor flags that step, asks the workload for its last 5 dL/dE slices over the control block,
+training monitor flags that step (one incident: the token detectors' per-token flags of training passes
+open none), asks the workload for its last 5 dL/dE slices over the control block,
 renders the heatmap and links it from the anomaly row.
 
 Synchronised without sleeps: the workload reports on a pipe; the test waits (bounded) for the PNG to
@@ -38,7 +39,7 @@ def _wait_for_file(directory: Path, pattern: str, timeout: float) -> Path:
         time.sleep(0.05)  # polling a file condition with a bound, not waiting for time to pass
 
 
-def test_a_corrupted_batch_gets_an_anomaly_row_and_its_dl_de_heatmap(tmp_path):
+def test_a_corrupted_batch_gets_one_incident_an_anomaly_row_and_its_dl_de_heatmap(tmp_path):
     db = tmp_path / "train.duckdb"
     ready_r, ready_w = os.pipe()
     args = ["--spike-step", str(SPIKE_STEP), "--batch", str(BATCH), "--seq", str(SEQ), "--until-stdin",
@@ -78,6 +79,16 @@ def test_a_corrupted_batch_gets_an_anomaly_row_and_its_dl_de_heatmap(tmp_path):
             "SELECT step_seq, score, artifact, detail FROM anomalies WHERE kind = ? AND pid = ?",
             [KIND, workload.pid],
         ).fetchall()
+        incidents = store.connection.execute(
+            "SELECT incident_id, scope, first_seq, last_seq, tokens, rows, detectors, state, artifact"
+            " FROM incidents WHERE pid = ?",
+            [workload.pid],
+        ).fetchall()
+        linked = store.connection.execute(
+            "SELECT kind, step_seq, count(*) FROM anomalies WHERE pid = ? AND incident_id IS NOT NULL"
+            " GROUP BY ALL ORDER BY kind",
+            [workload.pid],
+        ).fetchall()
         losses = store.connection.execute(
             "SELECT count(DISTINCT step_seq), count(*) FROM token_steps WHERE pid = ?", [workload.pid]
         ).fetchall()[0]
@@ -89,4 +100,10 @@ def test_a_corrupted_batch_gets_an_anomaly_row_and_its_dl_de_heatmap(tmp_path):
     assert meta["llmobs:shape"] == f"5x{BATCH * SEQ}x64"  # 5 steps x tokens x embedding dims
     assert meta["llmobs:step_seq"] == ",".join(str(s) for s in range(spike_seq - 4, spike_seq + 1))
     assert json.loads(detail)["step_mean_loss"] > 2 * json.loads(detail)["window_median"]
+    # One bad batch is one incident: the step-level verdict's, closed, its whole pass's tokens, the
+    # heatmap linked; the token detectors' per-token flags of training passes open none.
+    assert incidents == [(f"{workload.pid}-{spike_seq}-pass", "pass", spike_seq, spike_seq, BATCH * (SEQ - 1),
+                          1, "step_mad", "closed", str(png))]  # fmt: skip
+    # linked: the step verdict's row, and token rows of that pass committed after it (if any)
+    assert (KIND, spike_seq, 1) in linked and {seq for _kind, seq, _n in linked} == {spike_seq}
     assert not list(Path("/dev/shm").glob(f"llmobs.{workload.pid}.dLdE.*"))  # the dump left no tmpfs file

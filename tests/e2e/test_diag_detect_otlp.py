@@ -14,6 +14,7 @@ import pyarrow as pa
 from llmobs import clock
 from llmobs.diagnostics.detectors import DetectorConfig, StreamingDetector
 from llmobs.diagnostics.evidence import refresh_evidence
+from llmobs.diagnostics.incidents import IncidentBuilder
 from llmobs.otlp.delivery import OtlpExporter
 from llmobs.otlp.encoder import SpanIds
 from llmobs.pipeline import correlate
@@ -21,7 +22,7 @@ from llmobs.store import synthetic
 from llmobs.store.sink import DuckDBStore
 from test_otlp_rotel import fast_config
 
-from bench.rotel_harness import Rotel, wait_until
+from bench.rotel_harness import POINT_VALUE, Rotel, parse_metrics, wait_until
 
 PID, REQUESTS, TOKENS = 5151, 3, 40
 SPIKES = {(0, 25), (2, 30)}  # (request, token index)
@@ -54,7 +55,11 @@ def _fill(store: DuckDBStore) -> tuple[pa.Table, set[tuple[str, int]]]:
         }})  # fmt: skip
     correlate.correlate(store.connection)
     rows = StreamingDetector(DetectorConfig()).add(steps.to_pydict(), clock.monotonic_ns())
-    store.append({"anomalies": rows})
+    incidents = IncidentBuilder()  # as the agent's anomaly lane builds them: one per spike
+    rows["incident_id"] = incidents.add(rows, clock.monotonic_ns())
+    incidents.close_all(clock.monotonic_ns())
+    new, _updated = incidents.take_changed()
+    store.append({"anomalies": rows, "incidents": pa.Table.from_pylist(new)})
     refresh_evidence(store.connection, PID, 0)
     return steps, spiked
 
@@ -73,6 +78,9 @@ def test_anomalies_arrive_as_span_events_on_their_token_step(tmp_path):
         total = steps.num_rows + REQUESTS
         wait_until(lambda: collector.span_count() >= total, 20, what="all spans in rotel's log")
         spans = {s.span_id: s for s in collector.spans()}
+        wait_until(lambda: "llmobs.anomaly.incidents" in parse_metrics(collector.text()), 20,
+                   what="the incidents counter")  # fmt: skip
+        counted = parse_metrics(collector.text())["llmobs.anomaly.incidents"]
     with_anomalies = {}
     for span in spans.values():
         events = [e for e in span.events if e.get("name") == "llmobs.anomaly"]
@@ -91,4 +99,22 @@ def test_anomalies_arrive_as_span_events_on_their_token_step(tmp_path):
             assert attrs["llmobs.anomaly.detector"] == kind.removeprefix("loss_")
             assert json.loads(attrs["llmobs.anomaly.detail"])["loss"] == 7.0
             assert "page faults" in attrs["llmobs.anomaly.evidence"]
+    # each spike is one incident: one llmobs.anomaly.incident event on its request's span, counted once
+    step_of = {(r["trace_id"], r["step_seq"]): r["step"] for r in steps.to_pylist()}
+    incident_events = {
+        span.span_id: [e["attributes"] for e in span.events if e.get("name") == "llmobs.anomaly.incident"]
+        for span in spans.values()
+    }
+    want = {ids.request_span_id(PID, trace).hex(): (trace, seq) for trace, seq in spiked}
+    assert {k for k, v in incident_events.items() if v} == set(want)
+    for span_id, (trace, seq) in want.items():
+        [attrs] = incident_events[span_id]
+        step = step_of[(trace, seq)]
+        assert attrs["llmobs.incident.id"] == f"{PID}-{seq}-0" and attrs["llmobs.incident.state"] == "closed"
+        assert (attrs["llmobs.incident.first_step"], attrs["llmobs.incident.last_step"]) == (step, step)
+        assert (attrs["llmobs.incident.tokens"], attrs["llmobs.incident.rows"]) == (1, 2)
+        assert attrs["llmobs.incident.detectors"] == "mad,ttest"
+        assert "page faults" in attrs["llmobs.incident.evidence"]
+    assert sum(p[POINT_VALUE] for p in counted["points"]) == len(spiked)
+    assert {p["llmobs.incident.scope"] for p in counted["points"]} == {"request"}
     store.close()

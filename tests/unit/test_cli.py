@@ -149,9 +149,14 @@ def test_run_flags_are_generated_from_the_settings_table(capsys) -> None:
         "--overhead-budget",
         "--cost-scale",
         "--run-dir",
+        "--detector",
+        "--alarm-rate",
+        "--detector-window",
+        "--alpha",
+        "--mad-threshold",
         "--otlp",
         "--otlp-protocol",
-    ]  # fmt: skip  (the flags `run` had before they were generated)
+    ]  # fmt: skip  (the flags `run` had before they were generated, and the detector.* keys')
     for setting in SETTINGS:
         if setting.flag:
             assert f"{setting.flag} {setting.metavar}" in help_text and f"({setting.key})" in help_text
@@ -209,7 +214,7 @@ def test_export_since_without_perfetto_is_a_usage_error_from_the_console_script(
         ),
         (
             ["--profile", "nosuch"],
-            "error: unknown profile(s) nosuch; choose from cpu, gemm, mem, host, cuda or all",
+            "error: unknown profile(s) nosuch; choose from cpu, gemm, mem, host, cuda, threadctx or all",
             "hint: see `llmobs-agent demo --help`",
         ),
     ],

@@ -99,6 +99,12 @@ BAD_VALUES = {
     "overhead.cost_scale": 0,
     "daemon.run_dir": "",
     "daemon.max_targets": 5000,
+    "detector.name": "zscore",
+    "detector.alarm_rate": 0.5,
+    "detector.fdr": 0,
+    "detector.window": 1,
+    "detector.alpha": "often",
+    "detector.mad_threshold": -1,
 }
 
 

@@ -85,7 +85,7 @@ def test_mad_is_robust_to_an_earlier_spike_in_the_window_the_t_test_is_not():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"detector": "zscore"}, "ttest, mad or both"),
+        ({"detector": "zscore"}, "one of calibrated, ttest, mad, both, all"),
         ({"window": 1}, "window must be >= 2"),
         ({"window": 16, "min_history": 20}, "min_history"),
         ({"min_history": 1}, "min_history"),
@@ -93,6 +93,7 @@ def test_mad_is_robust_to_an_earlier_spike_in_the_window_the_t_test_is_not():
         ({"alpha": 1.0}, "alpha"),
         ({"mad_threshold": 0}, "mad_threshold"),
         ({"max_open": 0}, "max_open"),
+        ({"calibrated_score": "z"}, "calibrated_score must be one of raw, relative"),
     ],
 )
 def test_config_validation(options, message):
@@ -321,12 +322,12 @@ def test_a_forward_with_labels_is_one_request_even_when_a_poll_splits_it():
 
 def test_attach_flags_select_the_detectors():
     from llmobs.cli import build_parser
-    from llmobs.diagnostics.detectors import detector_config
+    from llmobs.settings import detector_config
 
     def config(*flags):
         return detector_config(build_parser().parse_args(["attach", "--pid", "1", *flags]))
 
-    assert config() == DetectorConfig()
+    assert config() == DetectorConfig(detector="both")  # the agent's default (AGENT_DETECTOR)
     assert config("--detector", "off") is None
     chosen = config(
         "--detector", "mad", "--detector-window", "64", "--mad-threshold", "5", "--alpha", "0.001"

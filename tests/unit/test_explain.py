@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from llmobs.cli import main
 from llmobs.diagnostics.evidence import refresh_evidence
+from llmobs.diagnostics.incidents import IncidentBuilder
 from llmobs.store.sink import DuckDBStore
 
 TRACE_A = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -51,12 +53,17 @@ def db(tmp_path_factory):
             "off_cpu_ns": zeros, "page_faults": faults, "compute_calls": 211 * ones, "tagged_events": ones,
             "windowed_events": zeros, "counts_exact": np.ones(TOKENS, bool),
         }})  # fmt: skip
-        store.append({"anomalies": {
+        anomalies = {
             "ts_ns": [1, 1], "pid": [42, 42], "step_seq": [1000 + SPIKE] * 2, "trace_id": [TRACE_A] * 2,
             "kind": ["loss_ttest", "loss_mad"], "score": [40.0, 30.0], "detail": ['{"n": 22}'] * 2,
             "first_step_seq": [1000] * 2, "step": [SPIKE] * 2, "batch_row": [0, 0],
             "detector": ["ttest", "mad"], "artifact": [None, "/var/lib/llmobs/artifacts/dlde.png"],
-        }})  # fmt: skip
+        }  # fmt: skip
+        incidents = IncidentBuilder()  # as the agent's anomaly lane builds them
+        anomalies["incident_id"] = incidents.add(anomalies, 1)
+        incidents.close_all(2)
+        new, _updated = incidents.take_changed()
+        store.append({"anomalies": anomalies, "incidents": pa.Table.from_pylist(new)})
         store.append({"layer_streams": {
             "pid": [42, 42], "step_seq": [1000 + SPIKE] * 2, "trace_id": [TRACE_A] * 2, "batch_row": [0, 0],
             "layer": [0, 1], "head": [-1, -1], "kind": [1, 1], "value": [2.25, 0.5], "ts_ns": [1, 1],
@@ -75,6 +82,10 @@ def test_explain_prints_the_step_verdicts_evidence_layers(db, capsys):
     code, out, err = _explain(db, "--trace", TRACE_A[:12], "--step", str(SPIKE), capsys=capsys)
     assert code == 0, err
     assert f"trace {TRACE_A}  pid 42  request first_step_seq 1000" in out
+    incident = (f"incident 42-{1000 + SPIKE}-0 (request, closed): steps {SPIKE}..{SPIKE}, 1 token(s) flagged "
+                f"(2 anomaly rows), peak 40.00 (loss_ttest) at step {SPIKE}, detectors mad,ttest\n"
+                "  evidence at the peak: page faults: 9,000 vs median 4")  # fmt: skip
+    assert incident in out and out.index(incident) < out.index(f"step {SPIKE} (step_seq")  # incident first
     assert f"step {SPIKE} (step_seq {1000 + SPIKE}, position {5 + SPIKE}): token {100 + SPIKE}" in out
     assert "loss 6.500 nats" in out and "latency 9.00 ms (4.50x the request's median 2.00 ms)" in out
     assert "t-test ANOMALY" in out and "mad    ANOMALY" in out and f"n {SPIKE}" in out
@@ -88,6 +99,7 @@ def test_explain_a_clean_step_recomputes_the_verdicts(db, capsys):
     code, out, err = _explain(db, "--trace", TRACE_A, "--step", "15", capsys=capsys)
     assert code == 0, err
     assert "t-test ok" in out and "mad    ok" in out and "stored anomaly rows: none" in out
+    assert "incident: none" in out
     assert "nothing unusual in GPU/host work" in out  # evidence computed on the spot
     code, out, _ = _explain(db, "--trace", TRACE_A, "--step", "3", capsys=capsys)
     assert "not tested: fewer than 8 tokens before" in out
@@ -102,6 +114,8 @@ def test_explain_json(db, capsys):
     assert report["step"]["step_seq"] == 1000 + SPIKE
     assert report["evidence"]["unusual"][0]["measure"] == "page_faults"
     assert [a["kind"] for a in report["anomalies"]] == ["loss_mad", "loss_ttest"]
+    assert {a["incident_id"] for a in report["anomalies"]} == {report["incident"]["incident_id"]}
+    assert (report["incident"]["tokens"], report["incident"]["detectors"]) == (1, "mad,ttest")
 
 
 def test_explain_picks_one_of_several_requests_of_a_trace(db, capsys):

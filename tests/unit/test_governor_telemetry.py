@@ -160,3 +160,14 @@ def test_top_prints_one_header_line_per_agent() -> None:
     )
     off = agent_lines([{"pid": 42, "agent": top_fields({**SAMPLE, "export": None}, None)}])[0]
     assert off.endswith("| governor off") and "export" not in off
+
+
+def test_a_falling_behind_anomaly_lane_shows_in_top_and_over_otlp() -> None:
+    """The live detectors' lag (llmobs.diagnostics.live): a gauge and a counter, and top's header line."""
+    lagging = {**SAMPLE, "anomaly_lag_s": 0.35, "anomaly_rows_late": 6}
+    points = {p.name: p for p in agent_metrics(lagging)}
+    lag, late = points["llmobs.agent.anomaly_lag"], points["llmobs.agent.anomaly.late"]
+    assert (lag.kind, lag.value, late.kind, late.value) == ("gauge", 0.35, "sum", 6)
+    assert "llmobs.agent.anomaly_lag" not in {p.name for p in agent_metrics(SAMPLE)}  # detectors off
+    (line,) = agent_lines([{"pid": 42, "agent": top_fields(lagging, None)}])
+    assert "anomaly lag 350 ms (6 rows late)" in line

@@ -4,7 +4,9 @@ and the probe that explains each, the probes per step, and a PNG that decodes to
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
+from llmobs.diagnostics.incidents import IncidentBuilder
 from llmobs.pipeline.correlate import correlate
 from llmobs.report import plot
 from llmobs.report import text as report
@@ -123,6 +125,36 @@ def test_report_lists_the_tokens_the_loss_detectors_flagged(tmp_path):
     assert section.startswith(" (1 flagged live")  # two detectors, one token
     assert "request 2 step 5 'F': loss 3.000 vs the request's median 2.000" in section
     assert "flagged by mad, ttest (score 9.5)" in section and "GPU/host: UNUSUAL page faults" in section
+    assert f"llmobs-agent explain --db /x/r.duckdb --trace {trace[:16]} --step 5" in section
+
+
+def test_report_shows_incidents_before_the_flagged_tokens(tmp_path):
+    """Three flagged tokens of one request, two of them within the gap: two incidents (as the agent's
+    anomaly lane builds them), listed before the tokens, each with its span, counts, peak and explain."""
+    trace = "bb" * 16
+    rows = {
+        "ts_ns": [1] * 4, "pid": [PID] * 4, "step_seq": [10, 12, 12, 40], "trace_id": [trace] * 4,
+        "kind": ["loss_ttest", "loss_ttest", "loss_mad", "loss_ttest"], "score": [4.0, 9.5, 7.25, 5.0],
+        "detail": ["{}"] * 4, "first_step_seq": [7] * 4, "step": [3, 5, 5, 33], "batch_row": [0] * 4,
+        "detector": ["ttest", "ttest", "mad", "ttest"],
+    }  # fmt: skip
+    builder = IncidentBuilder()
+    rows["incident_id"] = builder.add(rows, 1)
+    builder.close_all(2)
+    new, _updated = builder.take_changed()
+    with _store(tmp_path) as store:
+        store.append({"anomalies": rows, "incidents": pa.Table.from_pylist(new)})
+        text = report.build_report(store.connection, decode=chr, db="/x/r.duckdb")
+    assert text.index("Incidents (2:") < text.index("Surprising tokens")
+    section = text.split("Incidents (2:")[1].split("Surprising tokens")[0]
+    assert (
+        "request 2 steps 3..5 (closed): 2 token(s) in 3 row(s), peak 9.5 (loss_ttest), detectors mad, ttest"
+        in section
+    )
+    assert (
+        "request 2 steps 33..33 (closed): 1 token(s) in 1 row(s), peak 5.0 (loss_ttest), detectors ttest"
+        in section
+    )
     assert f"llmobs-agent explain --db /x/r.duckdb --trace {trace[:16]} --step 5" in section
 
 

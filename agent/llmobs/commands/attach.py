@@ -14,9 +14,16 @@ import sys
 import threading
 import time
 
-from llmobs.diagnostics.detectors import add_detector_arguments, detector_config
 from llmobs.errors import MissingLibrary, UsageError
-from llmobs.settings import BY_KEY, add_flags, flag, flag_values, parse_value
+from llmobs.settings import (
+    BY_KEY,
+    add_detector_arguments,
+    add_flags,
+    detector_config,
+    flag,
+    flag_values,
+    parse_value,
+)
 from llmobs.shm.presence import ReaderPresence
 
 HINT = "see `llmobs-agent attach --help`"

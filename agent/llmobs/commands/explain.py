@@ -18,6 +18,7 @@ import json
 import re
 import sys
 
+import duckdb
 import numpy as np
 
 from llmobs.diagnostics import evidence as evidence_mod
@@ -155,6 +156,7 @@ def explain(conn, request: dict, step_index: int) -> dict:
         "detectors": _verdicts(losses, i),
         "anomalies": _anomalies(conn, step),
     }
+    report["incident"] = _incident(conn, step, report["anomalies"])
     report["evidence"] = _evidence(conn, step, report["anomalies"])
     report["layers"] = _layers(conn, step)
     report["root_cause"] = _root_cause(conn, step)
@@ -198,7 +200,8 @@ def _verdicts(losses: np.ndarray, i: int) -> dict:
 
 def _anomalies(conn, step: dict) -> list[dict]:
     cursor = conn.execute(
-        """SELECT kind, score, detail, detector, evidence, artifact, ts_ns FROM anomalies
+        """SELECT * EXCLUDE (pid, step_seq, trace_id, first_step_seq, step, batch_row, evidence_ns)
+           FROM anomalies
            WHERE pid = ? AND step_seq = ? AND (trace_id = ? OR trace_id IS NULL)
              AND coalesce(batch_row, 0) = ? ORDER BY kind""",
         [step["pid"], step["step_seq"], step["trace_id"], step["batch_row"] or 0],
@@ -209,6 +212,38 @@ def _anomalies(conn, step: dict) -> list[dict]:
         for key in ("detail", "evidence"):
             row[key] = _loads(row[key])
     return rows
+
+
+_INCIDENT_COLUMNS = ("incident_id", "scope", "state", "first_step", "last_step", "first_seq", "last_seq",
+                     "tokens", "rows", "peak_score", "peak_step", "peak_seq", "peak_kind", "detectors",
+                     "artifact")  # fmt: skip
+
+
+def _incident(conn, step: dict, anomalies: list[dict]) -> dict | None:
+    """The incident this step is part of (llmobs.diagnostics.incidents): the one its anomaly rows name,
+    else the pass incident (training, teacher forcing) of its forward pass; None: none, or a store from
+    before incidents (migration 11)."""
+    ids = sorted({a["incident_id"] for a in anomalies if a.get("incident_id")})
+    try:
+        rows = conn.execute(
+            f"""SELECT {", ".join(_INCIDENT_COLUMNS)} FROM incidents
+                WHERE incident_id IN (SELECT unnest($ids::VARCHAR[]))
+                   OR (pid = $pid AND scope = 'pass' AND $seq BETWEEN first_seq AND last_seq)
+                ORDER BY scope = 'pass', first_seq LIMIT 1""",
+            {"ids": ids, "pid": step["pid"], "seq": step["step_seq"]},
+        ).fetchall()
+    except duckdb.Error:  # no incidents table (an older store)
+        return None
+    if not rows:
+        return None
+    incident = dict(zip(_INCIDENT_COLUMNS, rows[0], strict=True))
+    peak = conn.execute(  # the evidence link: the peak row's evidence (filled once correlate ran)
+        "SELECT evidence FROM anomalies WHERE incident_id = ? AND step_seq = ? AND kind = ? LIMIT 1",
+        [incident["incident_id"], incident["peak_seq"], incident["peak_kind"]],
+    ).fetchall()
+    evidence = _loads(peak[0][0]) if peak else None
+    incident["evidence_summary"] = evidence.get("summary") if isinstance(evidence, dict) else None
+    return incident
 
 
 def _loads(text: str | None):
@@ -274,6 +309,7 @@ def print_report(report: dict, out=None) -> None:
     w(f"trace {r['trace_id']}  pid {r['pid']}  request first_step_seq {r['first_step_seq']}"
       f"  row {r['batch_row']}  ({r['tokens']} tokens; tenant {r['tenant']}, session {r['session']},"
       f" model {r['model_id']})\n")  # fmt: skip
+    _print_incident(report.get("incident"), w)  # first: what a user is paged about
     ratio = (
         f" ({c['latency_ratio']:.2f}x the request's median {_ms(c['latency_median_ns'])})"
         if c["latency_ratio"]
@@ -324,6 +360,24 @@ def print_report(report: dict, out=None) -> None:
         w(f"root cause candidate: {rc['module']} (score {rc['score']:.2f})\n")
         for line in rc["evidence"]:
             w(f"  {line}\n")
+
+
+def _print_incident(incident: dict | None, w) -> None:
+    """The incident first: what a user is paged about; the token's own numbers follow."""
+    if incident is None:
+        w("incident: none (no flagged token of this request within the gap, or an older store)\n")
+        return
+    i = incident
+    where = (f"steps {i['first_step']}..{i['last_step']}" if i["scope"] == "request"
+             else f"passes {i['first_seq']}..{i['last_seq']}")  # fmt: skip
+    peak = f"step {i['peak_step']}" if i["peak_step"] is not None else f"pass {i['peak_seq']}"
+    w(f"incident {i['incident_id']} ({i['scope']}, {i['state']}): {where}, {i['tokens']} token(s) flagged "
+      f"({i['rows']} anomaly rows), peak {_num(i['peak_score'], '.2f')} ({i['peak_kind']}) at {peak}, "
+      f"detectors {i['detectors']}\n")  # fmt: skip
+    if i.get("evidence_summary"):
+        w(f"  evidence at the peak: {i['evidence_summary']}\n")
+    if i.get("artifact"):
+        w(f"  artifact: {i['artifact']}\n")
 
 
 def _verdict(result: dict) -> str:

@@ -246,6 +246,9 @@ def agent_lines(rows: list[dict]) -> list[str]:
         )
         if agent.get("export_failures") is not None:
             line += f"  export failures {agent['export_failures']:,}"
+        if agent.get("anomaly_lag_s") is not None:  # the live detectors falling behind shows here
+            line += (f"  anomaly lag {agent['anomaly_lag_s'] * 1e3:,.0f} ms"
+                     f" ({agent.get('anomaly_rows_late', 0):,} rows late)")  # fmt: skip
         governor = agent.get("governor")
         if governor is None:
             line += "  | governor off"

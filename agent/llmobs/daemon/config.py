@@ -47,10 +47,22 @@ class DaemonConfig:
     cost_scale: float
     run_dir: Path
     max_targets: int
+    detector: str  # detector.*: the token-loss anomaly detectors of every target (detector_config())
+    alarm_rate: float
+    fdr: float
+    detector_window: int
+    alpha: float
+    mad_threshold: float
     otlp: object | None = None  # llmobs.otlp.OtlpConfig when an endpoint is configured anywhere
     file: Path | None = None
     # key -> where its value came from: "default", "file", "env LLMOBS_X", "flag --x"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def detector_config(self):
+        """The DetectorConfig every target's pipeline runs (None: detector.name off)."""
+        from llmobs.diagnostics.detectors import config_of
+
+        return config_of({s.key: getattr(self, s.attr) for s in SETTINGS if s.key.startswith("detector.")})
 
     def changed_keys(self, other: DaemonConfig) -> list[str]:
         """The keys whose values differ (for SIGHUP's log line and what it must redo)."""

@@ -25,14 +25,17 @@ from llmobs.bpf.records import RING_RECORD_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
 from llmobs.bpf.session import AttachSession, Options, tracepoint_available
 from llmobs.daemon.discovery import Proc
+from llmobs.diagnostics.detectors import DetectorConfig
 from llmobs.errors import LlmobsError, MissingLibrary, NoSuchProcess
 from llmobs.pipeline import Pipeline
 from llmobs.pipeline.live import snapshot_path
 
 
 class Fleet:
-    def __init__(self, options: Options, store, run_dir: Path, log: Callable[[str], None] = lambda _: None):
+    def __init__(self, options: Options, store, run_dir: Path, log: Callable[[str], None] = lambda _: None,
+                 detector: DetectorConfig | None = DetectorConfig()):  # noqa: B008 (frozen)  # fmt: skip
         self.options = replace(options, shared=True, require_pytorch=False)
+        self.detector = detector  # every target's loss-anomaly detectors (the daemon's detector.* keys)
         self.store = store
         self.run_dir = run_dir
         self.log = log
@@ -100,6 +103,7 @@ class Fleet:
                 session=session,
                 sample_ratio=self.options.sample_n,
                 snapshot=snapshot_path(proc.pid, self.run_dir),
+                detector=self.detector,
             )
         except BaseException:
             session.close()

@@ -1,6 +1,10 @@
 """Token-loss anomaly detectors: each token's loss against the preceding window of the same request.
 
-Two detectors, selectable (`ttest`, `mad`, `both`):
+Three detectors, selectable (`calibrated`, `ttest`, `mad`; `both` is ttest + mad, `all` the three):
+- `calibrated` (llmobs.diagnostics.conformal): the token's conformal p-value against the losses seen
+  before it of the same (process, variant, position bucket); flagged when p <= alarm_rate, the
+  false-alarm budget per token, which clean traffic then gets whatever the loss distribution. A
+  request's verdict is Benjamini-Hochberg at level fdr over its p-values so far.
 - `ttest`: one-sided one-sample t-test of the token's loss against the window's mean. The window is a
   sample of n losses; the question is whether the new loss is a draw from the same distribution, so
   the standard error is that of a new observation, sd * sqrt(1 + 1/n) (Student's prediction interval),
@@ -28,19 +32,37 @@ from dataclasses import dataclass, field
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from llmobs.diagnostics.conformal import (
+    DEFAULT_BUCKETS,
+    FORCED,
+    GENERATED,
+    KIND_NAMES,
+    VARIANT_NAMES,
+    ConformalScorer,
+    RequestTests,
+)
 from llmobs.diagnostics.student_t import (  # not scipy: ~67 MB resident
     _tail_below_scalar,
     t_cdf,
     upper_tail_below,
 )
 
-DETECTORS = ("ttest", "mad")
+DETECTORS = ("calibrated", "ttest", "mad")
+WINDOWED = ("ttest", "mad")  # the detectors that test a token against its request's window
+SELECTIONS = {d: (d,) for d in DETECTORS} | {"both": WINDOWED, "all": DETECTORS}
 MAD_TO_Z = 0.6745  # the modified z-score's constant: MAD of a standard normal is 0.6745
+DEFAULT_ALARM_RATE = 1e-3  # calibrated: false alarms per clean token (docs/diagnostics.md: the evaluation)
+# What the agent runs unless told otherwise (attach --detector, the daemon's detector.name): `both`.
+# The calibrated detector is the default only once it matches or beats the t-test's and MAD's F1 on
+# every fault kind of the held-out evaluation (issue 16); neither of its scores did (docs/diagnostics.md).
+AGENT_DETECTOR = "both"
+CALIBRATED_SCORES = ("raw", "relative")
+MIN_ALARM_RATE, MAX_ALARM_RATE = 1e-6, 0.1  # below 1e-6 the warm-up is a million tokens
 
 
 @dataclass(frozen=True)
 class DetectorConfig:
-    """What the detectors test and how strictly. `detector`: ttest | mad | both."""
+    """What the detectors test and how strictly. `detector`: calibrated | ttest | mad | both | all."""
 
     detector: str = "both"
     window: int = 32  # preceding tokens of the request the test compares against
@@ -49,10 +71,19 @@ class DetectorConfig:
     mad_threshold: float = 3.5  # mad: modified z-score above which a token is flagged
     min_sd: float = 0.05  # nats: floor of the window's spread (sd; MAD scaled to sd)
     max_open: int = 4096  # open requests kept; beyond, the least recently updated is evicted
+    alarm_rate: float = DEFAULT_ALARM_RATE  # calibrated: the false-alarm budget per clean token
+    fdr: float = 0.01  # calibrated: Benjamini-Hochberg level of a request's verdict
+    buckets: tuple[int, ...] = DEFAULT_BUCKETS  # calibrated: position bucket edges
+    max_references: int = 64  # calibrated: references kept (32 KiB each)
+    seed: int = 0  # calibrated: the generator of the p-values' tie-breaking uniforms
+    # calibrated: what is ranked. raw: the token's loss (the held-out SmolLM2 evaluation's better one);
+    # relative: its `mad` z against its request's window, the raw loss for its first min_history tokens
+    # (sees spikes small against the spread between requests; docs/diagnostics.md has both evaluations)
+    calibrated_score: str = "raw"
 
     def __post_init__(self) -> None:
-        if self.detector not in (*DETECTORS, "both"):
-            raise ValueError(f"detector must be ttest, mad or both, not {self.detector!r}")
+        if self.detector not in SELECTIONS:
+            raise ValueError(f"detector must be one of {', '.join(SELECTIONS)}, not {self.detector!r}")
         if self.window < 2:
             raise ValueError(f"window must be >= 2 tokens, not {self.window}")
         if not 2 <= self.min_history <= self.window:
@@ -65,10 +96,29 @@ class DetectorConfig:
             raise ValueError(f"min_sd must be >= 0, not {self.min_sd}")
         if self.max_open < 1:
             raise ValueError(f"max_open must be >= 1, not {self.max_open}")
+        if not MIN_ALARM_RATE <= self.alarm_rate <= MAX_ALARM_RATE:
+            raise ValueError(
+                f"alarm_rate must be in [{MIN_ALARM_RATE:g}, {MAX_ALARM_RATE:g}], not {self.alarm_rate}"
+            )
+        if not 0.0 < self.fdr < 1.0:
+            raise ValueError(f"fdr must be in (0, 1), not {self.fdr}")
+        edges = list(self.buckets)
+        if edges != sorted(set(edges)) or len(edges) > 62 or min(edges, default=1) < 1:
+            raise ValueError(f"buckets must be increasing positions >= 1 (at most 62), not {self.buckets}")
+        if self.max_references < 1:
+            raise ValueError(f"max_references must be >= 1, not {self.max_references}")
+        if self.calibrated_score not in CALIBRATED_SCORES:
+            choices = ", ".join(CALIBRATED_SCORES)
+            raise ValueError(f"calibrated_score must be one of {choices}, not {self.calibrated_score!r}")
 
     @property
     def enabled(self) -> tuple[str, ...]:
-        return DETECTORS if self.detector == "both" else (self.detector,)
+        return SELECTIONS[self.detector]
+
+    @property
+    def windowed(self) -> tuple[str, ...]:
+        """The enabled detectors that test against the request's window (ttest, mad)."""
+        return tuple(d for d in self.enabled if d in WINDOWED)
 
 
 @dataclass
@@ -119,10 +169,7 @@ def _score_windows(
         t = (values - mean) / (sd * np.sqrt(1.0 + 1.0 / count))
         df = np.maximum(n - 1, 1)
         p = t_cdf(df, -t) if every_p else upper_tail_below(df, t, config.alpha)  # P(T >= t)
-        median = _row_median(windows, n)
-        mad = _row_median(np.abs(windows - median[:, None]), n)
-        mad_floor = np.maximum(mad, config.min_sd * MAD_TO_Z)  # sd = MAD / 0.6745 for a normal
-        z = MAD_TO_Z * (values - median) / mad_floor
+        median, mad, z = _robust_z(windows, values, n, config)
     nan = np.full(len(values), np.nan)
     return Scores(
         n=np.where(tested, n, 0),
@@ -136,6 +183,15 @@ def _score_windows(
         ttest=tested & (p < config.alpha),
         mad_flag=tested & (z > config.mad_threshold),
     )
+
+
+def _robust_z(windows: np.ndarray, values: np.ndarray, n: np.ndarray, config: DetectorConfig):
+    """(median, MAD, modified z) of each value against its row of `windows` (its first-sorted `n`
+    finite values): the MAD detector's statistic, and the calibrated detector's request-relative score."""
+    median = _row_median(windows, n)
+    mad = _row_median(np.abs(windows - median[:, None]), n)
+    mad_floor = np.maximum(mad, config.min_sd * MAD_TO_Z)  # sd = MAD / 0.6745 for a normal
+    return median, mad, MAD_TO_Z * (values - median) / mad_floor
 
 
 def _row_median(rows: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -246,12 +302,15 @@ class DetectorCounters:
     evicted: int = 0  # open requests dropped to stay within max_open
     open: int = 0
     seconds: float = 0.0  # CPU time spent scoring
+    warmup: int = 0  # calibrated: token steps not tested, their reference still too small
+    requests_flagged: int = 0  # calibrated: requests Benjamini-Hochberg flagged (at their first discovery)
 
 
 @dataclass
 class _Open:
     history: np.ndarray  # the last `window` finite losses
     seen: int = 0  # finite losses seen so far
+    tests: RequestTests | None = None  # calibrated: the request's p-values for its BH verdict
 
 
 TINY_BATCH = 4  # up to this many steps a batch is scored in Python floats (`_score_scalar`)
@@ -274,6 +333,12 @@ class StreamingDetector:
     def __post_init__(self) -> None:
         self._open: OrderedDict[tuple, _Open] = OrderedDict()
         self._forced_open: set[tuple] = set()  # open requests keyed by their pass (teacher forcing)
+        c = self.config
+        self.calibrated = (
+            ConformalScorer(c.alarm_rate, c.buckets, c.max_references, seed=c.seed)
+            if "calibrated" in c.enabled
+            else None
+        )
 
     def add(self, steps: dict, now_ns: int) -> dict[str, list] | None:
         """Score one batch of token steps; the anomaly rows ({column: list}, ANOMALY_COLUMNS) or None.
@@ -287,8 +352,11 @@ class StreamingDetector:
         self.counters.steps += n
         if n == 0:
             return None
+        calibrated_rows = self._add_calibrated(steps, now_ns) if self.calibrated is not None else None
+        if not self.config.windowed:
+            return self._finish(calibrated_rows, began)
         if n <= TINY_BATCH:  # a slowly stepping target's poll: no numpy call at all
-            return self._finish(self._add_tiny(steps, now_ns), began)
+            return self._finish(_joined(calibrated_rows, self._add_tiny(steps, now_ns)), began)
         step_seq = np.asarray(steps["step_seq"], np.int64)
         step = np.asarray(steps["step"], np.int64)
         batch_row = np.asarray(steps["batch_row"], np.int64)
@@ -316,7 +384,7 @@ class StreamingDetector:
                 state.history = np.concatenate([state.history, values])[-self.config.window :]
                 state.seen += len(values)
                 self.counters.tested += int(np.count_nonzero(scores.n))
-                for detector in self.config.enabled:
+                for detector in self.config.windowed:
                     for j in np.flatnonzero(scores.flagged(detector)):
                         self._row(rows, steps, int(finite[j]), detector, scores, j, now_ns, keys[g])
             order = ()
@@ -328,20 +396,20 @@ class StreamingDetector:
         if len(order):
             scores, finite, by_group = self._score_batch(order, group[order], loss, first, keys)
             self.counters.tested += int(np.count_nonzero(scores.n))
-            flagged = [(d, np.flatnonzero(scores.flagged(d))) for d in self.config.enabled]
+            flagged = [(d, np.flatnonzero(scores.flagged(d))) for d in self.config.windowed]
             if any(len(f) for _d, f in flagged):
                 for g in by_group:  # rows in the order the requests first appear, detector by detector
                     for detector, hits in flagged:
                         for j in hits[group[finite[hits]] == g]:
                             self._row(rows, steps, int(finite[j]), detector, scores, int(j), now_ns, keys[g])
-        return self._finish(rows, began)
+        return self._finish(_joined(calibrated_rows, rows), began)
 
-    def _finish(self, rows: dict[str, list], began: float) -> dict[str, list] | None:
+    def _finish(self, rows: dict[str, list] | None, began: float) -> dict[str, list] | None:
         import time
 
         self.counters.open = len(self._open)
         self.counters.seconds += time.process_time() - began
-        if not rows["ts_ns"]:
+        if not rows or not rows["ts_ns"]:
             return None
         self.counters.anomalies += len(rows["ts_ns"])
         return rows
@@ -370,11 +438,99 @@ class StreamingDetector:
             state.history = np.array([*history, *values][-w:], dtype=np.float64)
             state.seen += len(values)
             self.counters.tested += sum(1 for count in scores.n if count)
-            for detector in self.config.enabled:
+            for detector in self.config.windowed:
                 for j, hit in enumerate(scores.flagged(detector)):
                     if hit:
                         self._row(rows, steps, finite[j], detector, scores, j, now_ns, key)
         return rows
+
+    def _add_calibrated(self, steps: dict, now_ns: int) -> dict[str, list] | None:
+        """The calibrated detector over the batch: one vectorised p-value pass (ConformalScorer), then
+        each request's Benjamini-Hochberg verdict; rows for the tokens with p <= alarm_rate."""
+        n = len(steps["step_seq"])
+        step_seq = np.asarray(steps["step_seq"], np.int64)
+        step = np.asarray(steps["step"], np.int64)
+        batch_row = np.asarray(steps["batch_row"], np.int64)
+        pid = np.asarray(steps["pid"], np.int64)
+        loss = np.asarray(steps["loss"], np.float64)
+        if n <= SMALL_BATCH:
+            group, first, keys = self._small_groups(pid, steps["trace_id"], step_seq, step, batch_row)
+        else:
+            group, first, keys = self._request_groups(pid, steps["trace_id"], step_seq, step, batch_row)
+        finite = np.flatnonzero(np.isfinite(loss))
+        if not len(finite):
+            return None
+        forced = np.fromiter((k in self._forced_open for k in keys), bool, len(keys))
+        variant = np.where(forced[group[finite]], FORCED, GENERATED)
+        position = np.asarray(steps["position"], np.int64)[finite]
+        relative = None
+        if self.config.calibrated_score == "relative":
+            relative = self._relative_z(group, step, loss, first, keys)[finite]
+        before = self.calibrated.counters.warmup
+        scores = self.calibrated.score(pid[finite], variant, position, loss[finite], relative)
+        self.counters.warmup += self.calibrated.counters.warmup - before
+        if not self.config.windowed:
+            self.counters.tested += int(np.count_nonzero(~np.isnan(scores.p)))
+        # each request's BH verdict over its tested p-values (the few requests of a poll, or a pass)
+        tested = np.flatnonzero(~np.isnan(scores.p))
+        verdict: dict[int, int] = {}
+        if len(tested):
+            groups_of = group[finite[tested]]
+            order = np.argsort(groups_of, kind="stable")
+            bounds = np.flatnonzero(np.diff(groups_of[order])) + 1
+            for part in np.split(order, bounds):
+                g = int(groups_of[part[0]])
+                state = self._state(keys[g])
+                if state.tests is None:
+                    state.tests = RequestTests()
+                had = state.tests.discoveries
+                verdict[g] = state.tests.add(scores.p[tested[part]].tolist(), self.config.fdr)
+                if verdict[g] and not had:
+                    self.counters.requests_flagged += 1
+        hits = np.flatnonzero(scores.flagged)
+        if not len(hits):
+            return None
+        rows: dict[str, list] = {c: [] for c in ANOMALY_COLUMNS}
+        for j in sorted(hits.tolist(), key=lambda j: (first[group[finite[j]]], step[finite[j]])):
+            i = int(finite[j])
+            g = int(group[i])
+            state = self._open.get(keys[g])
+            tests = state.tests if state is not None else None
+            detail = {
+                "p_value": float(scores.p[j]),
+                "alarm_rate": self.config.alarm_rate,
+                "reference_n": int(scores.reference_n[j]),
+                "score": KIND_NAMES[int(scores.relative[j])],
+                "z": float(relative[j]) if scores.relative[j] else None,  # relative is set
+                "reference": f"{VARIANT_NAMES[int(variant[j])]}/bucket {int(scores.bucket[j])}",
+                "request_tested": tests.tested if tests else 0,
+                "request_discoveries": verdict.get(g, 0),
+                "fdr": self.config.fdr,
+            }  # fmt: skip
+            self._append_row(rows, steps, i, "calibrated", -math.log10(max(float(scores.p[j]), 1e-300)),
+                             detail, now_ns, keys[g])  # fmt: skip
+        return rows
+
+    def _relative_z(self, group, step, loss, first, keys) -> np.ndarray:
+        """Each step's request-relative score for the calibrated detector: the MAD detector's modified z
+        of its loss against its request's preceding window (NaN: fewer than min_history finite losses
+        before it, or a NaN loss). The windowed detectors, when enabled, keep the requests' windows
+        (they run after this); alone, the calibrated detector keeps them here."""
+        z = np.full(len(loss), np.nan)
+        order = np.lexsort((step, group))  # by request, then step (stable: a pass's rows keep their order)
+        order = order[np.isfinite(loss[order])]
+        if not len(order):
+            return z
+        windows, values, seen, commit, _by_group = self._batch_windows(order, group[order], loss, first, keys)
+        n = np.count_nonzero(~np.isnan(windows), axis=1)
+        tested = (seen >= self.config.min_history) & (n >= 2)
+        if tested.any():
+            with np.errstate(invalid="ignore", divide="ignore"):
+                _median, _mad, scores = _robust_z(windows[tested], values[tested], n[tested], self.config)
+            z[order[tested]] = scores
+        if not self.config.windowed:
+            commit()
+        return z
 
     def _small_groups(self, pid, traces, step_seq, step, batch_row):
         """`_request_groups` for a few steps, from `_request_keys`."""
@@ -419,6 +575,16 @@ class StreamingDetector:
         """Scores of the finite steps `order` (sorted by group, then step) against their requests' windows;
         the open state updated. Returns (scores, the steps scored in `order`'s order, the groups in order
         of first appearance)."""
+        windows, values, seen, commit, by_group = self._batch_windows(order, group_of, loss, first, keys)
+        scores = _score_windows(windows, values, seen, self.config, every_p=False)
+        commit()
+        return scores, order, by_group
+
+    def _batch_windows(self, order, group_of, loss, first, keys):
+        """Each finite step of `order` (sorted by group, then step): its window (the up to `window`
+        finite losses before it in its request, NaN-padded), its loss, its request's finite losses
+        before it; and `commit`, which moves the open state past the batch. Returns (windows, values,
+        seen, commit, the groups in order of first appearance)."""
         w = self.config.window
         groups, starts, sizes = np.unique(group_of, return_index=True, return_counts=True)
         by_group = sorted(groups.tolist(), key=lambda g: first[g])
@@ -441,14 +607,16 @@ class StreamingDetector:
         flat[(base[:, None] + np.arange(w)).reshape(-1)] = histories.reshape(-1)
         flat[base.repeat(sizes) + w + within] = values
         windows = flat[(base[offsets] + within)[:, None] + np.arange(w)]
-        scores = _score_windows(windows, values, seen[offsets] + within, self.config, every_p=False)
-        tails = flat[(base + lengths - w)[:, None] + np.arange(w)]
-        for g in by_group:
-            i = slot[g]
-            tail = tails[i]
-            states[g].history = tail[~np.isnan(tail)]
-            states[g].seen += int(sizes[i])
-        return scores, order, by_group
+
+        def commit() -> None:
+            tails = flat[(base + lengths - w)[:, None] + np.arange(w)]
+            for g in by_group:
+                i = slot[g]
+                tail = tails[i]
+                states[g].history = tail[~np.isnan(tail)]
+                states[g].seen += int(sizes[i])
+
+        return windows, values, seen[offsets] + within, commit, by_group
 
     def _request_keys(self, pid, traces, step_seq, step, batch_row) -> list[tuple]:
         """(pid, trace, origin, batch_row) per token step: the request it belongs to. Generated tokens
@@ -484,7 +652,6 @@ class StreamingDetector:
         return state
 
     def _row(self, rows, steps, i: int, detector: str, s: Scores, j: int, now_ns: int, key: tuple) -> None:
-        loss = float(steps["loss"][i])
         if detector == "ttest":
             score = float(s.t[j])
             detail = {"window_mean": s.mean[j], "window_sd": s.sd[j], "n": int(s.n[j]), "p_value": s.p[j],
@@ -493,6 +660,12 @@ class StreamingDetector:
             score = float(s.z[j])
             detail = {"window_median": s.median[j], "window_mad": s.mad[j], "n": int(s.n[j]),
                       "threshold": self.config.mad_threshold}  # fmt: skip
+        self._append_row(rows, steps, i, detector, score, detail, now_ns, key, {"window": self.config.window})
+
+    def _append_row(self, rows, steps, i: int, detector: str, score: float, detail: dict, now_ns: int,
+                    key: tuple, last: dict | None = None) -> None:  # fmt: skip
+        """One anomaly row: the detector's numbers (`detail`), the token's, then `last`."""
+        loss = float(steps["loss"][i])
         detail.update(
             loss=loss,
             position=int(steps["position"][i]),
@@ -500,8 +673,8 @@ class StreamingDetector:
             target_id=int(steps["target_id"][i]),
             step=int(steps["step"][i]),
             t_end_ns=int(steps["t_end_ns"][i]),
-            window=self.config.window,
         )
+        detail.update(last or {})
         rows["ts_ns"].append(now_ns)
         rows["pid"].append(key[0])
         rows["step_seq"].append(int(steps["step_seq"][i]))
@@ -513,6 +686,15 @@ class StreamingDetector:
         rows["step"].append(int(steps["step"][i]))
         rows["batch_row"].append(key[3])
         rows["detector"].append(detector)
+
+
+def _joined(first: dict[str, list] | None, second: dict[str, list] | None) -> dict[str, list] | None:
+    """Two detectors' rows of one batch as one set of columns (either may be None)."""
+    if not first:
+        return second
+    if not second:
+        return first
+    return {c: first[c] + second[c] for c in ANOMALY_COLUMNS}
 
 
 def _packed(*columns: np.ndarray) -> np.ndarray:
@@ -548,44 +730,23 @@ def _plain(value):
     return value
 
 
-# ---- command line ----------------------------------------------------------------------------------
+# ---- settings ----------------------------------------------------------------------------------------
 
 
-def add_detector_arguments(parser) -> None:
-    """The detectors' flags, for the commands that run a pipeline (attach, run)."""
+def config_of(values) -> DetectorConfig | None:
+    """DetectorConfig from detector.* settings ({key: parsed value}; a missing key: its default), None
+    for detector.name off. The daemon (its config) and attach (its flags) both build it here."""
     defaults = DetectorConfig()
-    parser.add_argument(
-        "--detector",
-        choices=("both", *DETECTORS, "off"),
-        default=defaults.detector,
-        help="token-loss anomaly detectors on the live token steps (default both; see docs/diagnostics.md)",
-    )
-    parser.add_argument(
-        "--detector-window",
-        type=int,
-        default=defaults.window,
-        metavar="N",
-        help=f"tokens of the request each loss is compared with (default {defaults.window})",
-    )
-    parser.add_argument(
-        "--alpha",
-        type=float,
-        default=defaults.alpha,
-        help=f"t-test significance level (default {defaults.alpha})",
-    )
-    parser.add_argument(
-        "--mad-threshold",
-        type=float,
-        default=defaults.mad_threshold,
-        metavar="Z",
-        help=f"median/MAD: modified z-score to flag (default {defaults.mad_threshold})",
-    )
-
-
-def detector_config(args) -> DetectorConfig | None:
-    """The DetectorConfig the flags ask for (None: --detector off); ValueError names a bad value."""
-    if args.detector == "off":
+    name = values.get("detector.name", AGENT_DETECTOR)
+    if name == "off":
         return None
-    window = args.detector_window
-    return DetectorConfig(detector=args.detector, window=window, min_history=min(8, max(window, 2)),
-                          alpha=args.alpha, mad_threshold=args.mad_threshold)  # fmt: skip
+    window = values.get("detector.window", defaults.window)
+    return DetectorConfig(
+        detector=name,
+        window=window,
+        min_history=min(defaults.min_history, window),
+        alpha=values.get("detector.alpha", defaults.alpha),
+        mad_threshold=values.get("detector.mad_threshold", defaults.mad_threshold),
+        alarm_rate=values.get("detector.alarm_rate", defaults.alarm_rate),
+        fdr=values.get("detector.fdr", defaults.fdr),
+    )

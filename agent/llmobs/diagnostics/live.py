@@ -1,12 +1,22 @@
 """Live token-loss anomalies: the pipeline's token steps through the detectors, rows committed at once.
 
-The pipeline's StoreWriter coalesces for up to a second (cheap appends); an anomaly is worth a commit
-of its own, so its rows take this small writer instead: a bounded queue and one thread that commits
-each batch as soon as it arrives (the drain loop never waits on the disk; a full queue drops and
-counts). For each committed row it keeps the latency from the step's end in the workload (t_end_ns,
-CLOCK_MONOTONIC, the clock of time.monotonic_ns here) to the commit, which the agent reports and
-bench/anomaly_latency.py measures. Evidence is added later, once correlate has rolled the
-step up (`refresh_evidence`, called from the pipeline's correlate thread).
+The anomaly lane. The pipeline's StoreWriter coalesces for a second or more (cheap appends); an anomaly
+is worth a commit of its own, so its rows take this lane instead: a bounded queue and one thread that
+commits each batch as soon as it arrives, on its own DuckDB cursor, so a commit never waits behind the
+StoreWriter's (which hold the store's lock for a whole coalesced batch of events) or the correlate
+thread's SQL (its cursor too). The drain loop never waits on the disk; a full queue drops and counts.
+
+The lane also builds the incidents (llmobs.diagnostics.incidents) from the rows it commits, and writes
+each row with its incident_id and the changed incidents in the same transaction. The step-level
+training rows (llmobs.diagnostics.training) come here too (`submit`), so a bad batch is an incident.
+
+For each committed token row it keeps the latency from the step's end in the workload (t_end_ns,
+CLOCK_MONOTONIC, the clock of time.monotonic_ns here) to the commit, and how much of it was spent before
+the detectors saw the step (the map read cadence) - what the agent reports and bench/anomaly_latency.py
+measures. A row committed more than LATE_NS after its step's end is counted (`anomaly_rows_late`, shown
+at detach, by `top` and as llmobs.agent.anomaly.late over OTLP): the agent says when it falls behind.
+Evidence is added later, once correlate has rolled the step up (`refresh_evidence`, called from the
+pipeline's correlate thread).
 """
 
 from __future__ import annotations
@@ -15,16 +25,31 @@ import json
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from llmobs import clock
-from llmobs.diagnostics.detectors import DetectorConfig, StreamingDetector
+from llmobs.diagnostics.detectors import ANOMALY_COLUMNS, DetectorConfig, StreamingDetector
 from llmobs.diagnostics.evidence import refresh_evidence
+from llmobs.diagnostics.incidents import INCIDENT_COLUMNS, IncidentBuilder
+from llmobs.stagecpu import STAGES
 
 QUEUE_ITEMS = 256
 LATENCY_KEPT = 4096  # the most recent spike-to-commit latencies kept for percentiles
+LATE_NS = 200_000_000  # the spike-to-row target (docs/diagnostics.md): later rows are counted
+# With incidents open the lane wakes this often to close those no row can join any more (the
+# detectors scored past their gap); with none open it sleeps until a row comes.
+CLOSE_CHECK_S = 0.25
+INCIDENT_HOLD_NS = 500_000_000  # the longest the incidents' write waits for a moment without rows
+ROW_COLUMNS = (*ANOMALY_COLUMNS, "artifact", "incident_id")
+_UPDATE_INCIDENTS = (
+    "UPDATE incidents SET "
+    + ", ".join(f"{c} = u.{c}" for c in INCIDENT_COLUMNS if c != "incident_id")
+    + " FROM _llmobs_updates u WHERE incidents.incident_id = u.incident_id"
+)
 
 
 @dataclass
@@ -33,20 +58,30 @@ class AnomalyCounters:
     committed: int = 0
     dropped: int = 0  # queue full
     failed: int = 0  # the commit failed (see last_error)
+    late: int = 0  # token rows committed more than LATE_NS after their step's end
     evidence_updates: int = 0  # anomaly rows given (or refreshed with) evidence
     evidence_errors: int = 0
     last_error: str | None = None
 
 
 class LiveAnomalies:
-    """Detector + immediate-commit writer for one pipeline (one pid)."""
+    """Detector + immediate-commit writer (the anomaly lane) + incidents, for one pipeline (one pid)."""
 
-    def __init__(self, store, config: DetectorConfig | None = None):
+    def __init__(self, store, config: DetectorConfig | None = None, incidents: IncidentBuilder | None = None):
         self.store = store
         self.detector = StreamingDetector(config or DetectorConfig())
+        self.incidents = incidents or IncidentBuilder()
         self.counters = AnomalyCounters()
-        # (step_seq, step, kind, ns from the step's end to its row committed) of recent rows
-        self.latencies: deque[tuple[int, int, str, int]] = deque(maxlen=LATENCY_KEPT)
+        # (step_seq, step, kind, ns from the step's end to its row committed, ns of that before the
+        # detectors scored it) of recent token rows
+        self.latencies: deque[tuple[int, int, str, int, int]] = deque(maxlen=LATENCY_KEPT)
+        self.lag_ns = 0  # the last committed token row's step-end-to-commit latency
+        # Passes scored so far, for closing incidents: the token detectors' (set by add) and the
+        # step-level detector's (a callable the pipeline sets: TrainingMonitor.scored_through).
+        self._scored_seq: int | None = None
+        self.pass_progress: Callable[[], int | None] = lambda: None
+        self._conn = None  # the lane's own cursor, opened on its thread
+        self._changed_since: int | None = None  # when incidents first changed since the last write
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_ITEMS)
         self._thread = threading.Thread(target=self._run, name="llmobs-anomalies", daemon=True)
         self._thread.start()
@@ -55,57 +90,161 @@ class LiveAnomalies:
         """Score a batch of token steps (the map reader's columns); queue the anomalies; return how many."""
         try:
             rows = self.detector.add(steps, clock.monotonic_ns())
+            newest = int(np.max(steps["step_seq"])) if len(steps["step_seq"]) else None
         except Exception as exc:  # a detector bug must not stop the data path
             self.counters.last_error = f"detector: {exc}"
             return 0
-        if rows is None:
-            return 0
-        count = len(rows["ts_ns"])
-        self.counters.rows += count
+        if rows is not None:
+            count = len(rows["ts_ns"])
+            self.counters.rows += count
+            rows["pass_token"] = _pass_tokens(rows, steps)
+            self._put(rows, count)
+        if newest is not None and (self._scored_seq is None or newest > self._scored_seq):
+            self._scored_seq = newest  # after the rows are queued: the lane reads it before draining
+        return 0 if rows is None else len(rows["ts_ns"])
+
+    def submit(self, batch: dict) -> bool:
+        """Anomaly rows of another detector ({"anomalies": columns}, the step-level training rows):
+        committed on this lane, with their incidents. Never blocks; False when the queue is full."""
+        columns = batch["anomalies"]
+        rows = {c: _as_list(v) for c, v in columns.items()}
+        return self._put(rows, len(rows["kind"]))
+
+    def _put(self, rows: dict, count: int) -> bool:
         try:
             self._queue.put_nowait(rows)
         except queue.Full:
             self.counters.dropped += count
-        return count
+            STAGES.count("anomaly_rows_dropped", count)
+            return False
+        return True
 
     def _run(self) -> None:
-        while True:
-            rows = self._queue.get()
-            if rows is None:
-                return
-            rows, stop = self._coalesce(rows)
-            self._commit(rows)
-            if stop:
-                return
+        # The first pa.table() of a process costs ~0.6 s (pyarrow's lazy set-up): paid here, at attach,
+        # not by the first anomaly's commit.
+        pa.table({"warm": [0]})
+        stop = False
+        while not stop:
+            timeout = CLOSE_CHECK_S if self.incidents.open_count or self.incidents.changed else None
+            try:
+                first = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                first = ()
+            if first is None:
+                stop = True
+            # read before the queued rows: every row of a pass up to these was queued before they were set
+            token_seq, pass_seq = self._scored_seq, self._pass_progress()
+            parts, more_stop = self._drain([first] if first else [])
+            stop = stop or more_stop
+            self._commit(parts, token_seq, pass_seq, final=stop)
+        if self._conn is not None:
+            self._conn.close()
 
-    def _coalesce(self, rows: dict) -> tuple[dict, bool]:
+    def _pass_progress(self) -> int | None:
+        try:
+            return self.pass_progress()
+        except Exception:  # bookkeeping: no closing of pass incidents this time
+            return None
+
+    def _drain(self, parts: list) -> tuple[list, bool]:
         """The batch and every other one already queued, as one commit: under a high flag rate a
         commit per drain would cost more than the detectors (no batch waits for another)."""
-        parts, stop = [rows], False
         while True:
             try:
                 more = self._queue.get_nowait()
             except queue.Empty:
-                break
+                return parts, False
             if more is None:
-                stop = True
-                break
+                return parts, True
             parts.append(more)
-        if len(parts) == 1:
-            return rows, stop
-        return {c: [v for p in parts for v in p[c]] for c in rows}, stop
 
-    def _commit(self, rows: dict) -> None:
-        result = self.store.export({"anomalies": rows})
-        done_ns = clock.monotonic_ns()
-        if not result.ok:
-            self.counters.failed += len(rows["ts_ns"])
-            self.counters.last_error = result.error
+    def _commit(self, parts: list[dict], token_seq, pass_seq, final: bool = False) -> None:
+        now = clock.monotonic_ns()
+        rows = _merged(parts) if parts else None
+        if rows is not None:
+            rows["incident_id"] = self.incidents.add(rows, now)
+        self.incidents.close_through("request", token_seq, now)
+        self.incidents.close_through("pass", pass_seq, now)
+        if final:
+            self.incidents.close_all(now)
+        if rows is not None:
+            try:
+                self._write_rows(rows)
+            except Exception as exc:  # counted
+                self.counters.failed += len(rows["kind"])
+                self._failed(exc)
+            else:
+                self._committed(rows)
+        # The incidents in a transaction of their own, after their rows' (a statement costs as much as
+        # the rows' commit: 10-50 ms on a busy 2-core host), and while rows wait only once they are
+        # INCIDENT_HOLD_NS old: the next rows are not committed behind them.
+        if not self.incidents.changed:
             return
-        self.counters.committed += len(rows["ts_ns"])
-        keys = zip(rows["step_seq"], rows["step"], rows["kind"], rows["detail"], strict=True)
-        for seq, step, kind, detail in keys:
-            self.latencies.append((seq, step, kind, done_ns - json.loads(detail)["t_end_ns"]))
+        if self._changed_since is None:
+            self._changed_since = now
+        if not (final or self._queue.empty() or now - self._changed_since > INCIDENT_HOLD_NS):
+            return
+        new, updated = self.incidents.take_changed()
+        try:
+            self._write_incidents(new, updated)
+        except Exception as exc:  # written with the next commit
+            self.incidents.restore(new, updated)
+            self._failed(exc)
+            return
+        self._changed_since = None
+        counts = self.store.counters.rows_by_table
+        counts["incidents"] = counts.get("incidents", 0) + len(new)
+
+    def _failed(self, exc: Exception) -> None:
+        self.counters.last_error = f"commit: {str(exc).splitlines()[0]}"
+        self._conn = None  # a fresh cursor next time (the store may have been reopened)
+
+    def _committed(self, rows: dict) -> None:
+        done_ns = clock.monotonic_ns()
+        count = len(rows["kind"])
+        counts = self.store.counters.rows_by_table
+        counts["anomalies"] = counts.get("anomalies", 0) + count
+        self.counters.committed += count
+        late = 0
+        keys = zip(rows["step_seq"], rows["step"], rows["kind"], rows["detail"], rows["ts_ns"], strict=True)
+        for seq, step, kind, detail, ts_ns in keys:
+            t_end = _t_end(detail)
+            if t_end is None:  # a step-level row: no token step end to measure from
+                continue
+            self.lag_ns = done_ns - t_end
+            late += self.lag_ns > LATE_NS
+            self.latencies.append((seq, step, kind, self.lag_ns, ts_ns - t_end))
+        if late:
+            self.counters.late += late
+            STAGES.count("anomaly_rows_late", late)
+
+    def _cursor(self):
+        if self._conn is None:
+            self._conn = self.store.connection.cursor()
+        return self._conn
+
+    def _write_rows(self, rows: dict) -> None:
+        """The rows, with their incident_id, in one INSERT (autocommitted: one transaction)."""
+        stored = {c: v for c, v in rows.items() if c != "pass_token"}  # pass_token: the builder's only
+        _llmobs_rows = pa.table(stored)  # noqa: F841 (read by DuckDB's replacement scan)
+        self._cursor().execute("INSERT INTO anomalies BY NAME SELECT * FROM _llmobs_rows")
+
+    def _write_incidents(self, new: list[dict], updated: list[dict]) -> None:
+        """One transaction: the incidents opened (INSERT) and those grown or closed (UPDATE ... FROM, by
+        incident_id). Two plain statements cost less than one INSERT ... ON CONFLICT DO UPDATE here."""
+        conn = self._cursor()
+        _llmobs_new = pa.Table.from_pylist(new) if new else None  # noqa: F841 (replacement scan)
+        _llmobs_updates = pa.Table.from_pylist(updated) if updated else None  # noqa: F841
+        conn.execute("BEGIN TRANSACTION")
+        try:
+            if new:
+                conn.execute("INSERT INTO incidents BY NAME SELECT * FROM _llmobs_new")
+            if updated:
+                conn.execute(_UPDATE_INCIDENTS)
+            conn.execute("COMMIT")
+        except Exception:
+            conn.execute("ROLLBACK")
+            raise
 
     def refresh_evidence(self, conn, pid: int, since_ns: int) -> None:
         """Give the anomalies of rolled-up steps their evidence (on the correlate thread's cursor)."""
@@ -122,6 +261,18 @@ class LiveAnomalies:
         values = np.asarray([row[3] for row in self.latencies], np.float64) / 1e6
         return {"p50": float(np.percentile(values, 50)), "p99": float(np.percentile(values, 99)),
                 "max": float(values.max()), "n": int(len(values))}  # fmt: skip
+
+    def lag_summary(self) -> str:
+        """Where the step-end-to-row time went (p99 of the rows kept): before the detectors scored the
+        step (the map read) and after (queue and commit), and how many rows were late."""
+        if not self.latencies:
+            return "anomaly lag: no token rows committed"
+        total = np.asarray([r[3] for r in self.latencies], np.float64) / 1e6
+        seen = np.asarray([r[4] for r in self.latencies], np.float64) / 1e6
+        return (f"anomaly lag p99: {np.percentile(total, 99):.0f} ms from step end to row committed, "
+                f"{np.percentile(seen, 99):.0f} ms of it before the detectors scored the step, "
+                f"{np.percentile(total - seen, 99):.0f} ms from scored to committed; "
+                f"{self.counters.late:,} row(s) later than {LATE_NS // 1_000_000} ms")  # fmt: skip
 
     def close(self, timeout: float = 10.0) -> bool:
         """Commit what is queued and stop the thread; False if it did not finish in time."""
@@ -142,8 +293,55 @@ class LiveAnomalies:
         latency = self.latency_ms()
         if latency:
             line += f"; step end to row committed p50 {latency['p50']:.0f} ms, p99 {latency['p99']:.0f} ms"
+        if c.late:
+            line += f" ({c.late:,} later than {LATE_NS // 1_000_000} ms: the agent fell behind)"
+        i = self.incidents.counters
+        line += f"; {i.opened:,} incident(s)"
         if d.evicted:
             line += f"; {d.evicted:,} open requests evicted"
         if c.last_error:
             line += f"; last error: {c.last_error}"
         return line
+
+
+def _as_list(column) -> list:
+    return column.tolist() if isinstance(column, np.ndarray) else list(column)
+
+
+def _pass_tokens(rows: dict, steps: dict) -> list[bool]:
+    """Which flagged rows are tokens of a teacher-forced pass (a forward with labels: first_step_seq =
+    step_seq). Beyond step 0 always; step 0 is also a generated request's first token, told apart by its
+    pass having more of that row's tokens in this batch (a poll that split the pass right after its step
+    0 leaves it a request's token: the one case this misses)."""
+    out = []
+    seqs = rows_of = None
+    keys = zip(rows["step_seq"], rows["first_step_seq"], rows["step"], rows["batch_row"], strict=True)
+    for seq, first, step, row in keys:
+        if first != seq:
+            out.append(False)
+        elif step > 0:
+            out.append(True)
+        else:
+            if seqs is None:
+                seqs, rows_of = np.asarray(steps["step_seq"]), np.asarray(steps["batch_row"])
+            out.append(int(np.count_nonzero((seqs == seq) & (rows_of == row))) > 1)
+    return out
+
+
+def _merged(parts: list[dict]) -> dict[str, list]:
+    """Row batches of either source as one {column: list} over ROW_COLUMNS (None where a source has no
+    such column: the training rows have no token index)."""
+    out: dict[str, list] = {c: [] for c in (*ROW_COLUMNS, "pass_token") if c != "incident_id"}
+    for part in parts:
+        n = len(part["kind"])
+        for column, values in out.items():
+            values.extend(part[column] if column in part else [None] * n)
+    return out
+
+
+def _t_end(detail) -> int | None:
+    try:
+        value = json.loads(detail).get("t_end_ns") if detail else None
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return int(value) if value is not None else None

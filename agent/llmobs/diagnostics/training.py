@@ -134,6 +134,8 @@ class TrainingMonitor:
         self.skipped = 0  # spikes written without a heatmap because the queue was full
         self.last_error: str | None = None
         self._last_seq = 0
+        self._in_flight = 0  # spikes scored whose row is not submitted yet (their heatmap pending)
+        self._in_flight_lock = threading.Lock()  # two threads change it (scoring, the heatmap thread)
         self._pending: tuple[int, list] | None = None  # the newest step: more of its tokens may come
         self._queue: queue.Queue = queue.Queue(maxsize=MAX_QUEUED)
         self._thread: threading.Thread | None = None
@@ -155,6 +157,13 @@ class TrainingMonitor:
             self._pending = (part[0], list(part))
         # parts of the pending step from a later batch would be a re-read: the ring is read once
 
+    def scored_through(self) -> int | None:
+        """The last training step whose verdict is settled, row submitted if it was a spike (None while
+        a spike's row is still on its way): the incidents' progress (llmobs.diagnostics.incidents).
+        `_last_seq` is set before a spike counts as in flight, so a reader may see a step settled
+        whose spike is not: that step is the newest, beyond any incident it could have closed."""
+        return None if self._in_flight else self._last_seq or None
+
     def flush(self) -> None:
         """Score the step held back (at close: no later step will come)."""
         if self._pending is not None:
@@ -170,6 +179,8 @@ class TrainingMonitor:
         spike = StepSpike(seq, mean, tokens, trace, row, s["median"], s["mad"], s["z"], s["t"], s["p"],
                           int(s["n"]), clock.monotonic_ns())  # fmt: skip
         self.spikes += 1
+        with self._in_flight_lock:
+            self._in_flight += 1
         self._start()
         try:
             self._queue.put_nowait(spike)
@@ -224,6 +235,13 @@ class TrainingMonitor:
         return str(png), None
 
     def _write_row(self, spike: StepSpike, artifact: str | None, extra: dict | None) -> None:
+        try:
+            self._submit_row(spike, artifact, extra)
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1  # after the submit: the row is queued before the step counts as settled
+
+    def _submit_row(self, spike: StepSpike, artifact: str | None, extra: dict | None) -> None:
         self.submit({
             "anomalies": {
                 "ts_ns": np.array([spike.ts_ns], np.int64), "pid": np.array([self.pid], np.int32),

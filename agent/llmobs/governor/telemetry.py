@@ -132,6 +132,15 @@ class SelfTelemetry:
         counters = exporter.counters
         return {name: int(getattr(counters, name, 0)) for name in EXPORT_COUNTERS}
 
+    def _anomaly_lag(self) -> dict:
+        """The live detectors' lag (llmobs.diagnostics.live): the worst pipeline's last step-end-to-row
+        latency, and the rows committed later than the target, so a falling-behind agent says so."""
+        lanes = [p.anomalies for p in self.pipelines if getattr(p, "anomalies", None) is not None]
+        if not lanes:
+            return {}
+        return {"anomaly_lag_s": max(lane.lag_ns for lane in lanes) / 1e9,
+                "anomaly_rows_late": sum(lane.counters.late for lane in lanes)}  # fmt: skip
+
     def sample(self) -> dict:
         """One reading: own CPU % (since the previous sample) and RSS, events, drops, export, governor."""
         now = time.monotonic()
@@ -177,6 +186,7 @@ class SelfTelemetry:
             if self.exporters or export
             else None,
             "stage_cpu": STAGES.snapshot(),  # cumulative CPU by stage (llmobs.stagecpu)
+            **self._anomaly_lag(),
         }
         if self.governor is not None:
             snap = self.governor.snapshot()
@@ -197,6 +207,9 @@ def top_fields(sample: dict, governor_state: dict | None) -> dict:
     fields = {key: sample[key] for key in ("agent_pid", "cpu_percent", "rss_bytes", "events",
                                             "drops_kernel", "drops_user")}  # fmt: skip
     fields["export_failures"] = sample["export"]["attempts_failed"] if sample.get("export") else None
+    for key in ("anomaly_lag_s", "anomaly_rows_late"):
+        if key in sample:
+            fields[key] = sample[key]
     if sample.get("stage_cpu") is not None:
         fields["stage_cpu"] = sample["stage_cpu"]
     fields["governor"] = None
@@ -239,6 +252,11 @@ def agent_metrics(sample: dict) -> list[AgentPoint]:
     for where, count in sorted(sample["drops"].items()):
         add("llmobs.agent.drops", "sum", "{event}", "Events lost, by where", count,
             [("llmobs.drop.where", where)])  # fmt: skip
+    if sample.get("anomaly_lag_s") is not None:
+        add("llmobs.agent.anomaly_lag", "gauge", "s", "Step end to its anomaly row committed (the last row)",
+            sample["anomaly_lag_s"])  # fmt: skip
+        add("llmobs.agent.anomaly.late", "sum", "{row}", "Anomaly rows committed later than 200 ms",
+            sample["anomaly_rows_late"])  # fmt: skip
     export = sample.get("export")
     if export:
         add("llmobs.agent.export.failures", "sum", "{attempt}", "OTLP export attempts that failed",

@@ -84,6 +84,16 @@ EVENT_ATTRIBUTES = (
 
 
 ANOMALY_EVENT_NAME = "llmobs.anomaly"
+# One event per incident (llmobs.diagnostics.incidents) on its request's span, at its first flagged step.
+INCIDENT_EVENT_NAME = "llmobs.anomaly.incident"
+INCIDENT_ATTRIBUTES = (
+    ("incident_id", "llmobs.incident.id"), ("scope", "llmobs.incident.scope"),
+    ("state", "llmobs.incident.state"), ("first_step", "llmobs.incident.first_step"),
+    ("last_step", "llmobs.incident.last_step"), ("tokens", "llmobs.incident.tokens"),
+    ("rows", "llmobs.incident.rows"), ("peak_score", "llmobs.incident.peak_score"),
+    ("peak_kind", "llmobs.incident.peak_kind"), ("peak_step", "llmobs.incident.peak_step"),
+    ("detectors", "llmobs.incident.detectors"), ("artifact", "llmobs.incident.artifact"),
+)  # fmt: skip
 # anomalies column -> llmobs.anomaly event attribute (detail: the detector's numbers as JSON)
 ANOMALY_ATTRIBUTES = (
     ("kind", "llmobs.anomaly.kind"),
@@ -679,6 +689,15 @@ class TraceEncoder:
             set_attribute(attributes, "llmobs.request.mean_loss", req["loss_sum"] / req["loss_count"])
         if self.ids.mode == "prompt":  # in random mode exporting it would undo the unlinking
             set_attribute(attributes, "llmobs.prompt_hash", trace_hex)
+        for incident in req.get("incidents", ()):
+            event = span.events.add()
+            event.time_unix_nano = int(incident["t_ns"]) + offset
+            event.name = INCIDENT_EVENT_NAME
+            for column, name in INCIDENT_ATTRIBUTES:
+                set_attribute(event.attributes, name, incident[column])
+            set_attribute(
+                event.attributes, "llmobs.incident.evidence", evidence_summary(incident["evidence"])
+            )
         return span
 
 

@@ -257,7 +257,24 @@ class MetricsAggregator:
                 point.exemplar = exemplar(index, seconds)
         self._observe_gpu(batch.gpu_samples)
         self._observe_served(batch.served, exported)
+        self._observe_incidents(batch.requests, exported)
         self.observed_batches += 1
+
+    def _observe_incidents(self, requests: list[dict], exported) -> None:
+        """llmobs.anomaly.incidents: the incidents of the request spans sent (each request once), by model
+        and scope; the exemplar points at the request span that carries the incident's event."""
+        for req in requests:
+            for incident in req.get("incidents", ()):
+                attrs = (("gen_ai.request.model", req["model_id"] or "unknown"),
+                         ("llmobs.incident.scope", incident["scope"]))  # fmt: skip
+                point = self._sum("llmobs.anomaly.incidents", attrs)
+                point.value += 1
+                if exported is None or exported(req["trace_id"]):
+                    pid, trace = req["pid"], req["trace_id"]
+                    point.exemplar = Exemplar(
+                        1.0, int(incident["t_ns"]) + self.offset, self.ids.trace_id(pid, trace),
+                        self.ids.request_span_id(pid, trace),
+                    )  # fmt: skip
 
     def _observe_served(self, rows: list[dict], exported) -> None:
         """The GenAI server histograms of served requests (llmobs.otlp.genai_metrics), each bucket's
@@ -333,7 +350,7 @@ class MetricsAggregator:
                 dp.attributes.extend(key_values(dict(attrs)))
                 dp.start_time_unix_nano = self.start_wall_ns
                 dp.time_unix_nano = now_wall_ns
-                if name == "llmobs.tokens":
+                if name in ("llmobs.tokens", "llmobs.anomaly.incidents"):
                     dp.as_int = int(point.value)
                 else:
                     dp.as_double = point.value
@@ -429,6 +446,10 @@ _DESCRIPTIONS = {
     "llmobs.step.launches": ("{launch}", "GPU kernel launches per forward pass"),
     "llmobs.step.allocations": ("{allocation}", "Memory allocations per forward pass"),
     "llmobs.tokens": ("{token}", "Tokens generated, by tenant and model"),
+    "llmobs.anomaly.incidents": (
+        "{incident}",
+        "Loss-anomaly incidents (flagged tokens merged), by model and scope",
+    ),
     "llmobs.gpu.time": ("s", "GPU device time by kernel class (CUPTI)"),
     "llmobs.gpu.utilization": ("1", "Share of NVML's last sample period a kernel of the process ran (0-1)"),
     "llmobs.gpu.memory.used": ("By", "GPU device memory the process holds (NVML)"),

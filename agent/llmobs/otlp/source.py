@@ -401,6 +401,7 @@ class ExportCursor:
         now_ns = now_ns if drained else None
         last_seq = max((row[4] for row in advance.values()), default=self.position())
         requests = self._closed_requests(folded, limit, request_idle_ns, now_ns, flush and drained, last_seq)
+        _attach_incidents(conn, requests)
         served = self.served.pending(limit, cutoff_ns)
         # The final flush also gives the served requests the engine has not finished their span, so that
         # their step spans do not point at one that never comes (served_rows._UNFINISHED).
@@ -562,6 +563,40 @@ def _first_per_pass(events: pa.Table, limit: int) -> pa.Table:
     keep = np.arange(rows) - starts[run] < limit
     events = events.append_column("pass_total", pa.array(totals))
     return events if keep.all() else events.filter(pa.array(keep))
+
+
+# The incidents of the requests whose span goes out (llmobs.diagnostics.incidents): one span event each
+# on the request span (llmobs.anomaly.incident). A request span is sent once the request is closed, by
+# when its incidents are too (an incident closes a few passes after its last flagged token); the event
+# says its state all the same. With the evidence summary of its peak row.
+_REQUEST_INCIDENTS = """
+SELECT i.pid, i.trace_id, i.incident_id, i.scope, i.state, i.first_step, i.last_step, i.first_seq,
+    i.last_seq, i.tokens, i.rows, i.peak_score, i.peak_kind, i.peak_step, i.detectors, i.artifact,
+    coalesce(i.t_first_ns, i.ts_ns) AS t_ns,
+    (SELECT any_value(a.evidence) FROM anomalies a WHERE a.incident_id = i.incident_id
+        AND a.step_seq = i.peak_seq AND a.kind = i.peak_kind) AS evidence
+FROM incidents i SEMI JOIN _otlp_request_keys k ON i.pid = k.pid AND i.trace_id = k.trace_id
+ORDER BY i.pid, i.trace_id, i.first_seq
+"""
+
+
+def _attach_incidents(conn: duckdb.DuckDBPyConnection, requests: list[dict]) -> None:
+    """Each request dict gets `incidents`: its incidents' rows (none: an empty list)."""
+    for req in requests:
+        req["incidents"] = []
+    if not requests:
+        return
+    keys = pa.table({"pid": [r["pid"] for r in requests], "trace_id": [r["trace_id"] for r in requests]})
+    conn.register("_otlp_request_keys", keys)
+    try:
+        found = _dicts(conn, _REQUEST_INCIDENTS, None)
+    except duckdb.Error:  # a store from before incidents (migration 11)
+        return
+    finally:
+        conn.unregister("_otlp_request_keys")
+    by_key = {(r["pid"], r["trace_id"]): r for r in requests}
+    for row in found:
+        by_key[(row["pid"], row["trace_id"])]["incidents"].append(row)
 
 
 def _dicts(conn: duckdb.DuckDBPyConnection, sql: str, params) -> list[dict]:

@@ -323,12 +323,7 @@ def surprising_section(
     for pid, step_seq, trace_id, batch_row, detectors, score, evidence in flagged[:limit]:
         index, request, token = where[(pid, step_seq, trace_id, batch_row)]
         losses = sorted(t.loss for t in request.tokens if not math.isnan(t.loss))
-        summary = ""
-        if evidence:
-            try:
-                summary = json.loads(evidence).get("summary", "")
-            except ValueError:
-                summary = ""
+        summary = _evidence_summary(evidence)
         lines += [
             f"  request {index + 1} step {token.step} {token.text!r}: loss {token.loss:.3f} vs the request's "
             f"median {losses[len(losses) // 2]:.3f}, p(token) {token.target_prob:.3f}; flagged by "
@@ -336,6 +331,52 @@ def surprising_section(
             f"      - GPU/host: {summary or 'evidence not computed yet'}",
             f"      - llmobs-agent explain{db_flag} --trace {trace_id[:16]} --step {token.step}",
         ]
+    return lines
+
+
+# One line per incident (llmobs.diagnostics.incidents): the flagged tokens of a request (or the flagged
+# training passes of a process) merged; the evidence of its peak row when correlate has filled it.
+_INCIDENTS_SQL = """
+SELECT i.incident_id, i.pid, i.scope, i.trace_id, i.state, i.first_step, i.last_step, i.first_seq,
+    i.last_seq, i.tokens, i.rows, i.peak_score, i.peak_kind, i.peak_step, i.detectors, i.artifact,
+    (SELECT any_value(a.evidence) FROM anomalies a WHERE a.incident_id = i.incident_id
+        AND a.step_seq = i.peak_seq AND a.kind = i.peak_kind) AS evidence
+FROM incidents i ORDER BY i.peak_score DESC NULLS LAST, i.pid, i.first_seq
+"""
+
+
+def incidents_section(
+    conn: duckdb.DuckDBPyConnection, requests: list[Request], limit: int = SLOWEST, db: str | None = None
+) -> list[str]:
+    """The incidents first (what a user is paged about), then the tokens (`surprising_section`): each
+    with its request, its span of steps, how many tokens and rows it merged, its peak and detectors, the
+    evidence summary, and the explain command for its peak token."""
+    try:
+        found = conn.execute(_INCIDENTS_SQL).fetchall()
+    except duckdb.Error:  # a store from before incidents (migration 11): nothing to show
+        return []
+    index = {(r.pid, r.trace_id): i for i, r in enumerate(requests)}
+    shown = [row for row in found if row[2] == "pass" or (row[1], row[3]) in index]
+    lines = [f"Incidents ({len(shown)}: flagged tokens of a request within a few passes of each other, or "
+             "flagged training passes, merged into one):"]  # fmt: skip
+    if not shown:
+        return [*lines, "  none"]
+    db_flag = f" --db {db}" if db else ""
+    for (_id, pid, scope, trace, state, first, last, first_seq, last_seq, tokens, rows, peak, kind, peak_step,
+         detectors, artifact, evidence) in shown[:limit]:  # fmt: skip
+        summary = _evidence_summary(evidence)
+        if scope == "pass":
+            where = f"training/teacher-forced passes {first_seq}..{last_seq} of pid {pid}"
+        else:
+            where = f"request {index[(pid, trace)] + 1} steps {first}..{last}"
+        peak_text = "-" if peak is None or math.isnan(peak) else f"{peak:.1f}"
+        lines.append(f"  {where} ({state}): {tokens} token(s) in {rows} row(s), peak {peak_text} ({kind}), "
+                     f"detectors {detectors.replace(',', ', ')}")  # fmt: skip
+        lines.append(f"      - GPU/host: {summary or 'evidence not computed yet'}")
+        if artifact:
+            lines.append(f"      - artifact: {artifact}")
+        if scope == "request":
+            lines.append(f"      - llmobs-agent explain{db_flag} --trace {trace[:16]} --step {peak_step}")
     return lines
 
 
@@ -367,8 +408,20 @@ def build_report(
         "",
         *slowest_section(requests),
         "",
+        *incidents_section(conn, requests, db=db),
+        "",
         *surprising_section(conn, requests, db=db),
         "",
         *probes_section(requests),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _evidence_summary(evidence: str | None) -> str:
+    """The one-line summary of an anomaly's or incident's evidence JSON ('' before correlate filled it)."""
+    if not evidence:
+        return ""
+    try:
+        return json.loads(evidence).get("summary", "")
+    except ValueError:
+        return ""

@@ -388,6 +388,43 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE request_events ADD COLUMN prompt_hash VARCHAR DEFAULT ''",
         ),
     ),
+    Migration(
+        11,
+        "incidents: flagged tokens merged (llmobs.diagnostics.incidents); anomalies.incident_id links them",
+        (
+            # One row per incident: the anomaly rows of one request within GAP_PASSES passes of each
+            # other (scope 'request'), or consecutive flagged teacher-forced/training passes of a process
+            # (scope 'pass'). Written by the anomaly lane in the transaction of its rows; an open
+            # incident is upserted as it grows (ON CONFLICT on the key), a closed one is final. seq
+            # columns are step_seq (forward passes), step columns token indices within the request.
+            """CREATE TABLE incidents (
+                incident_id VARCHAR PRIMARY KEY,
+                pid INTEGER NOT NULL,
+                scope VARCHAR NOT NULL,
+                trace_id VARCHAR,
+                first_step_seq BIGINT,
+                batch_row INTEGER,
+                first_seq BIGINT NOT NULL,
+                last_seq BIGINT NOT NULL,
+                first_step INTEGER,
+                last_step INTEGER,
+                t_first_ns BIGINT,
+                t_last_ns BIGINT,
+                peak_score DOUBLE,
+                peak_seq BIGINT,
+                peak_step INTEGER,
+                peak_kind VARCHAR,
+                detectors VARCHAR,
+                tokens INTEGER NOT NULL,
+                rows INTEGER NOT NULL,
+                state VARCHAR NOT NULL,
+                ts_ns BIGINT NOT NULL,
+                updated_ns BIGINT NOT NULL,
+                closed_ns BIGINT,
+                artifact VARCHAR)""",
+            "ALTER TABLE anomalies ADD COLUMN incident_id VARCHAR",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -402,6 +439,7 @@ TIME_COLUMN: dict[str, str] = {
     "step_rollups": "t_start_ns",
     "requests": "t_end_ns",
     "anomalies": "ts_ns",
+    "incidents": "ts_ns",
     "clock_fits": "ts_ns",
     "layer_streams": "ts_ns",
     "layer_modules": "ts_ns",

@@ -24,6 +24,8 @@ For the loss-anomaly detectors (tests/bpf/test_diag_detect_e2e.py, bench/anomaly
                       of that step jumps (the model's own logits are untouched)
   --spike-alloc-bytes B  the fault also allocates and touches B bytes in that step (host evidence:
                       an allocation burst and page faults on the spike's forward pass)
+  --spike-after N     the first N requests without spikes: a detector that learns the traffic's
+                      normal (calibrated) sees clean traffic before the faults
 The last line on stdout is a JSON summary: pid, requests, tokens, seconds, tokens_per_s, map.
 """
 
@@ -108,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--spike-steps", default="", help="token indices (e.g. 20,40) where the least likely token is chosen"
     )
     p.add_argument("--spike-alloc-bytes", type=int, default=0, help="the fault also allocates B bytes")
+    p.add_argument(
+        "--spike-after",
+        type=int,
+        default=0,
+        help="the first N requests without spikes (a detector that learns the traffic sees it clean first)",
+    )
     return p
 
 
@@ -162,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                         prompts,
                         args.max_new_tokens,
                         bool(record),
-                        spikes,
+                        spikes if n >= args.spike_after else frozenset(),
                         args.spike_alloc_bytes,
                     )
                 if record:

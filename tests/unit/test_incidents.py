@@ -1,0 +1,147 @@
+"""Incidents (llmobs.diagnostics.incidents) and the anomaly lane that writes them (llmobs.diagnostics.live),
+on a real DuckDB store: the merge rule (gap in passes, per request; teacher-forced and training passes by
+the step-level verdict), exact closing, the rows' links, and migration 11 on an older store."""
+
+from __future__ import annotations
+
+import json
+
+import duckdb
+import numpy as np
+from llmobs import clock
+from llmobs.diagnostics.detectors import DetectorConfig
+from llmobs.diagnostics.incidents import IncidentBuilder
+from llmobs.diagnostics.live import LiveAnomalies, _pass_tokens
+from llmobs.store import schema
+from llmobs.store.sink import DuckDBStore
+
+TRACE = "ab" * 16
+
+
+def _rows(seqs, steps, kinds, scores, first=100, row=0, trace=TRACE) -> dict:
+    n = len(seqs)
+    return {
+        "ts_ns": [1] * n, "pid": [7] * n, "step_seq": list(seqs), "trace_id": [trace] * n,
+        "kind": list(kinds),
+        "score": list(scores), "detail": [json.dumps({"t_end_ns": 1000 + s}) for s in seqs],
+        "first_step_seq": [first] * n, "step": list(steps), "batch_row": [row] * n,
+        "detector": [k.removeprefix("loss_") for k in kinds],
+    }  # fmt: skip
+
+
+def test_tokens_within_the_gap_merge_and_a_detector_batch_order_does_not_split_them():
+    builder = IncidentBuilder(gap=4)
+    # as StreamingDetector lists them: detector by detector, each in step order
+    rows = _rows([110, 113, 110, 113, 118], [10, 13, 10, 13, 18], ["loss_ttest"] * 2 + ["loss_mad"] * 2
+                 + ["loss_ttest"], [4.0, 9.0, 3.0, 8.0, 5.0])  # fmt: skip
+    ids = builder.add(rows, now_ns=50)
+    assert ids == ["7-110-0"] * 4 + ["7-118-0"]  # 118 - 113 = 5 passes > gap: a new incident
+    new, updated = builder.take_changed()
+    assert updated == [] and [r["incident_id"] for r in new] == ["7-110-0", "7-118-0"]
+    first = new[0]
+    assert (first["first_step"], first["last_step"], first["tokens"], first["rows"]) == (10, 13, 2, 4)
+    assert (first["peak_score"], first["peak_step"], first["peak_kind"]) == (9.0, 13, "loss_ttest")
+    assert (first["detectors"], first["state"], first["t_first_ns"], first["t_last_ns"]) == (
+        "mad,ttest", "closed", 1110, 1113)  # closed when 118 opened the next one  # fmt: skip
+    assert new[1]["state"] == "open"
+
+
+def test_an_incident_closes_exactly_when_the_scored_passes_are_past_its_gap():
+    builder = IncidentBuilder(gap=4)
+    builder.add(_rows([120], [20], ["loss_mad"], [6.0]), now_ns=1)
+    builder.take_changed()
+    assert builder.close_through("request", 124, now_ns=2) == 0  # 124 - 120 = 4: a row at 124 could join
+    assert builder.close_through("request", 125, now_ns=3) == 1
+    new, updated = builder.take_changed()
+    assert new == [] and [(r["state"], r["closed_ns"]) for r in updated] == [("closed", 3)]
+    assert builder.add(_rows([122], [22], ["loss_mad"], [5.0]), now_ns=4) == ["7-122-0"]  # closed is final
+
+
+def test_other_requests_and_rows_stay_apart():
+    builder = IncidentBuilder(gap=4)
+    a = _rows([130], [30], ["loss_mad"], [6.0], row=0)
+    b = _rows([130], [30], ["loss_mad"], [6.0], row=1)
+    c = _rows([131], [31], ["loss_mad"], [6.0], first=101, trace="cd" * 16)
+    ids = [builder.add(r, 1)[0] for r in (a, b, c)]
+    assert ids == ["7-130-0", "7-130-1", "7-131-0"]
+
+
+def test_training_passes_are_one_incident_per_bad_batch_and_their_token_rows_open_none():
+    builder = IncidentBuilder(gap=4)
+    # token rows of a teacher-forced pass (first_step_seq = step_seq, step > 0): no incident of their own
+    noise = _rows([60, 60], [5, 17], ["loss_ttest", "loss_mad"], [4.0, 4.5], first=60)
+    assert builder.add(noise, 1) == [None, None]
+    spike = {"ts_ns": [2], "pid": [7], "step_seq": [61], "trace_id": [TRACE], "kind": ["train_loss_spike"],
+             "score": [12.0], "detail": [json.dumps({"tokens": 124})], "batch_row": [2],
+             "detector": ["step_mad"], "artifact": ["/a/dLdE.png"]}  # fmt: skip
+    assert builder.add(spike, 2) == ["7-61-pass"]
+    later = _rows([61], [9], ["loss_mad"], [4.0], first=61)  # a token row of the flagged pass, after it
+    assert builder.add(later, 3) == ["7-61-pass"]
+    builder.close_all(4)
+    new, _ = builder.take_changed()
+    columns = ("incident_id", "scope", "tokens", "rows", "detectors", "artifact", "batch_row")
+    assert [tuple(r[c] for c in columns) for r in new] == [
+        ("7-61-pass", "pass", 124, 1, "step_mad", "/a/dLdE.png", None)
+    ]
+    assert builder.counters.pass_token_rows == 3
+
+
+def _steps(losses, first: int) -> dict:
+    n = len(losses)
+    return {"pid": np.full(n, 7), "step_seq": np.arange(first, first + n), "step": np.arange(n),
+            "batch_row": np.zeros(n, np.int32), "loss": np.asarray(losses, np.float32),
+            "trace_id": [TRACE] * n, "position": np.arange(n), "token_id": np.zeros(n, np.int64),
+            "target_id": np.zeros(n, np.int64), "t_end_ns": np.full(n, clock.monotonic_ns())}  # fmt: skip
+
+
+def test_the_lane_commits_rows_with_their_incident_and_closes_it_at_the_end(tmp_path):
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    live = LiveAnomalies(store, DetectorConfig())
+    losses = np.random.default_rng(2).normal(2.0, 0.2, 60)
+    losses[[35, 37, 50]] = (6.0, 6.5, 7.0)
+    steps = _steps(losses, 300)
+    steps["t_end_ns"] -= 1_000_000_000  # the steps ended 1 s ago: each row is late, and said to be
+    assert live.add(steps) == 6  # three tokens, two detectors each
+    assert live.close()
+    conn = store.connection
+    rows = conn.execute("SELECT step, kind, incident_id FROM anomalies ORDER BY step, kind").fetchall()
+    assert rows == [(35, "loss_mad", "7-335-0"), (35, "loss_ttest", "7-335-0"), (37, "loss_mad", "7-335-0"),
+                    (37, "loss_ttest", "7-335-0"), (50, "loss_mad", "7-350-0"),
+                    (50, "loss_ttest", "7-350-0")]  # fmt: skip
+    incidents = conn.execute(
+        "SELECT incident_id, first_step, last_step, tokens, rows, detectors, state FROM incidents ORDER BY 1"
+    ).fetchall()
+    assert incidents == [("7-335-0", 35, 37, 2, 4, "mad,ttest", "closed"),
+                         ("7-350-0", 50, 50, 1, 2, "mad,ttest", "closed")]  # fmt: skip
+    assert store.counters.rows_by_table["incidents"] == 2
+    assert "2 incident(s)" in live.summary() and live.counters.late == 6
+    assert "6 row(s) later than 200 ms" in live.lag_summary()
+    store.close()
+
+
+def test_a_version_10_store_gets_incidents_and_keeps_its_anomaly_rows(tmp_path):
+    path = tmp_path / "old.duckdb"
+    conn = duckdb.connect(str(path))
+    assert schema.migrate(conn, target=10)[-1] == 10
+    conn.execute("INSERT INTO anomalies (ts_ns, pid, step_seq, kind, score) VALUES (1, 7, 9, 'loss_mad', 5)")
+    conn.close()
+    with DuckDBStore(path) as store:
+        got = store.connection.execute("SELECT step_seq, incident_id FROM anomalies").fetchall()
+        assert got == [(9, None)] and store.count("incidents") == 0
+        assert schema.current_version(store.connection) == schema.LATEST_VERSION == 11
+
+
+def test_a_teacher_forced_passs_step_0_is_told_from_a_generated_requests_first_token():
+    """first_step_seq = step_seq holds for both; the pass has more tokens of its row in the batch."""
+    forced = {"step_seq": np.array([900, 900, 900, 901]), "batch_row": np.array([0, 0, 1, 0])}
+    rows = {"step_seq": [900, 900, 900, 901, 905], "first_step_seq": [900, 900, 900, 901, 901],
+            "step": [0, 2, 0, 0, 4], "batch_row": [0, 0, 1, 0, 0]}  # fmt: skip
+    # row 0 of pass 900 has two tokens: forced; row 1 of 900 and pass 901 one each: generated first tokens
+    assert _pass_tokens(rows, forced) == [True, True, False, False, False]
+    builder = IncidentBuilder()
+    marked = {
+        **_rows([900, 901], [0, 0], ["loss_calibrated"] * 2, [4.0, 4.0], first=900),
+        "pass_token": [True, False],
+    }
+    marked["first_step_seq"] = [900, 901]
+    assert builder.add(marked, 1) == [None, "7-901-0"]
