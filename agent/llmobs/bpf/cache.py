@@ -195,21 +195,32 @@ class Cache:
 
     def write(self, entry: Entry) -> Path:
         """Writes atomically: a 0600 temporary file in the same directory, fsync'ed, renamed in place."""
+        return self.write_text(entry.key, entry.to_json())
+
+    def write_text(self, key: str, text: str) -> Path:
+        """`text` as the file of `key`, written as write() writes an entry (also the calibration's
+        per-boot measurement, llmobs.bpf.calibrate, which lives and is evicted beside the programs)."""
         directory = self.ensure_dir()
-        fd, tmp = tempfile.mkstemp(prefix=f".{entry.key[:16]}.", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=directory)
         try:
             with os.fdopen(fd, "w") as handle:
                 os.fchmod(handle.fileno(), FILE_MODE)
-                handle.write(entry.to_json())
+                handle.write(text)
                 handle.flush()
                 os.fsync(handle.fileno())
-            os.replace(tmp, self.path(entry.key))
+            os.replace(tmp, self.path(key))
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        self.evict(keep=entry.key)
-        return self.path(entry.key)
+        self.evict(keep=key)
+        return self.path(key)
+
+    def check_entry(self, key: str) -> None:
+        """Raises AccessDenied unless the directory and the file of `key` are ours alone
+        (FileNotFoundError when there is none)."""
+        _check_private(self.directory, is_dir=True)
+        _check_private(self.path(key), is_dir=False)
 
     def evict(self, keep: str = "", now: float | None = None) -> list[str]:
         """Removes entries unused for MAX_UNUSED_S, then the least recently used beyond MAX_ENTRIES,

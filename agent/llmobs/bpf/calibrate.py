@@ -414,12 +414,15 @@ def probe_cost(resolved, classes: ClassCosts, durations: bool = False) -> ProbeC
 
 def calibrate(program, resolved, durations: bool = False, rounds: int = 5) -> dict[str, ProbeCost]:
     """Per-probe costs of `resolved` uprobes: measures the classes and handlers once per process (the
-    handlers of later sessions with new probes are measured then), falls back to documented defaults
-    when the measurement cannot run (no executable temp dir, no uprobe PMU)."""
+    handlers of later sessions with new probes are measured then), or reads them from an earlier
+    attach's measurement in this boot (below); falls back to documented defaults when the measurement
+    cannot run (no executable temp dir, no uprobe PMU)."""
     global _classes
     handlers = handlers_of(resolved, durations)
     with _lock:
         classes = _classes
+    if classes is None and program is not None:
+        classes = read_boot_cache(program.source, handlers)
     missing = [h for h in handlers if classes is None or h.key not in classes.handlers]
     if classes is None or classes.source != "measured" or missing:
         try:
@@ -429,11 +432,77 @@ def calibrate(program, resolved, durations: bool = False, rounds: int = 5) -> di
                 classes.took_s += fresh.took_s
             else:
                 classes = fresh
+            if program is not None:
+                write_boot_cache(program.source, handlers, classes)
         except Exception as exc:  # never stop an attach for a calibration: estimate with the defaults
             classes = classes or default_costs(f"calibration failed: {exc}")
-        with _lock:
-            _classes = classes
+    with _lock:
+        _classes = classes
     return {item.probe.name: probe_cost(item, classes, durations) for item in resolved}
+
+
+# ---- the per-boot cache ------------------------------------------------------------------------------------
+# A measurement costs 80-400 ms of the attach, and the first event waits behind it. It measures the host,
+# not the target: within one boot the same kernel runs the same compiled handlers at the same cost, up
+# to the measurement's own noise. So it is kept next to the compiled programs (the same private
+# directory, written atomically, evicted with them), keyed by the boot id, the kernel release, the
+# program's source and the handlers measured; a later attach in the same boot reads it instead of
+# measuring again (its note says so). A new boot, kernel or agent build measures afresh.
+BOOT_ID_PATH = "/proc/sys/kernel/random/boot_id"
+BOOT_CACHE_FORMAT = 1
+
+
+def _boot_cache_key(source: str, handlers: list[Handler]) -> str | None:
+    import hashlib
+    import json
+
+    try:
+        with open(BOOT_ID_PATH) as handle:
+            boot_id = handle.read().strip()
+    except OSError:
+        return None
+    keys = sorted(h.key for h in handlers)
+    material = json.dumps([BOOT_CACHE_FORMAT, boot_id, os.uname().release, source, keys])
+    return "calibration-" + hashlib.sha256(material.encode()).hexdigest()
+
+
+def read_boot_cache(source: str, handlers: list[Handler]) -> ClassCosts | None:
+    """This boot's earlier measurement of these handlers, or None (none, unreadable, not ours)."""
+    import json
+
+    from llmobs.bpf.cache import Cache
+
+    key = _boot_cache_key(source, handlers)
+    if key is None:
+        return None
+    cache = Cache()
+    try:
+        cache.check_entry(key)
+        data = json.loads(cache.path(key).read_text())
+        classes = ClassCosts(**data["classes"])
+    except Exception:  # missing, corrupt or not private: measured again (and rewritten)
+        return None
+    if classes.source != "measured" or any(h.key not in classes.handlers for h in handlers):
+        return None
+    took = time.strftime("%H:%M:%S", time.localtime(data.get("measured_at", 0)))
+    classes.note = f"read from this boot's measurement at {took} ({classes.took_s * 1000:.0f} ms then)"
+    classes.took_s = 0.0
+    return classes
+
+
+def write_boot_cache(source: str, handlers: list[Handler], classes: ClassCosts) -> None:
+    """Keeps a measurement for later attaches in this boot; a failure only costs the next one a
+    measurement."""
+    import json
+
+    from llmobs.bpf.cache import Cache
+
+    key = _boot_cache_key(source, handlers)
+    if key is None or classes.source != "measured":
+        return
+    text = json.dumps({"key": key, "measured_at": time.time(), "classes": asdict(classes)})
+    with contextlib.suppress(Exception):
+        Cache().write_text(key, text)
 
 
 def reset_cache() -> None:

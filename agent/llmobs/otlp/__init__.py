@@ -34,6 +34,6 @@ def start_exporter(store, config: OtlpConfig) -> OtlpExporter:
     --otlp` and the daemon); call `.shutdown()` on the result before closing the store."""
     from llmobs.otlp.delivery import OtlpExporter
 
-    exporter = OtlpExporter(store.connection.cursor(), config)
+    exporter = OtlpExporter(store.connection.cursor(), config, headroom=store.with_headroom)
     exporter.start()
     return exporter

@@ -23,9 +23,11 @@ Guarantees:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import duckdb
@@ -103,8 +105,13 @@ class OtlpExporter:
         config: OtlpConfig,
         transport: Transport | None = None,
         stop: threading.Event | None = None,
+        headroom: Callable[[Callable[[], object]], object] | None = None,
     ):
         self.config = config
+        # A live store's memory cap is shared with the writer, the anomaly lane and correlate: a batch
+        # read that runs out of it is run once more with headroom (DuckDBStore.with_headroom), not
+        # failed and retried at the cap.
+        self._headroom = headroom or (lambda run: run())
         self.cursor = ExportCursor(conn)
         self.stop = stop or threading.Event()
         self.transport = transport or make_transport(config)
@@ -320,7 +327,7 @@ class OtlpExporter:
         if follow:
             while not self.stop.is_set():
                 try:
-                    self.export_pending(follow=True)
+                    self._headroom(functools.partial(self.export_pending, follow=True))
                     self.maybe_send_metrics()
                     self._maybe_prune()
                 except ExportFailed as exc:  # keep the rows; try again later, loudly
@@ -375,7 +382,8 @@ class OtlpExporter:
                 return self.counters
         self.stop.clear()
         try:
-            self.export_pending(follow=False, give_up_at_ns=clock.monotonic_ns() + int(timeout * 1e9))
+            give_up_at_ns = clock.monotonic_ns() + int(timeout * 1e9)
+            self._headroom(functools.partial(self.export_pending, follow=False, give_up_at_ns=give_up_at_ns))
             self.maybe_send_metrics(force=True)
         except (ExportFailed, duckdb.Error) as exc:
             self.counters.last_error = str(exc).splitlines()[0]

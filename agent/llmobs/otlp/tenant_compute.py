@@ -15,7 +15,7 @@ genai_metrics.TenantCap, later tenants read "other"). Their start time is the st
 because the totals are the store's, not only what this exporter saw: a one-shot export of a day's store
 reports the day.
 
-Cost: correlate re-shares a pass only while it is recent (pipeline LATE_NS, 5 s, and the final re-roll at
+Cost: correlate re-shares a pass only while it is recent (pipeline LATE_NS, 6 s, and the final re-roll at
 detach), so passes older than STABLE_NS before the newest are summed once and kept; each metrics request
 sums only the recent tail. A store that never shared a pass (no served rows, or a store from before
 migration 9) sends none of these metrics.

@@ -38,7 +38,7 @@ from llmobs.procfs import ProcFS
 from llmobs.stagecpu import STAGES
 from llmobs.store.ingest import EventDecoder
 from llmobs.store.sink import AGENT_THREADS, DuckDBStore, agent_memory_limit
-from llmobs.store.writer import StoreWriter
+from llmobs.store.writer import MAX_HOLD_S, StoreWriter
 
 CORRELATE_EVERY_S = 2.0
 # A correlate run costs a fixed ~20-40 ms of SQL however few steps it rolls up: every 2 s that alone
@@ -47,10 +47,11 @@ CORRELATE_EVERY_S = 2.0
 # CORRELATE_MAX_S apart); each stretched interval is counted (`correlate_stretched`).
 CORRELATE_CPU_SHARE = 0.004
 CORRELATE_MAX_S = 15.0
-# Events and exact totals of a step reach the store up to ~2 s after the step (the session harvests
-# finished steps once a second, the writer commits at most 1 s later): an incremental correlate
-# re-rolls the steps that started this long before its previous run, so late arrivals are counted.
-LATE_NS = 5_000_000_000
+# Events and exact totals of a step reach the store up to ~5 s after the step (the session harvests
+# finished steps once a second; the writer commits within 1 s, or holds a small commit up to
+# MAX_HOLD_S): an incremental correlate re-rolls the steps that started this long before its previous
+# run, so late arrivals are counted.
+LATE_NS = int((1.0 + MAX_HOLD_S + 1.0) * 1e9)
 SLOW_PERIOD_S = 1.0  # aggregate deltas, the live snapshot and the process row are refreshed this often
 # The map is read (and what it and the ring brought handed on: store, live stats, detectors, training)
 # at most this often, not on every drain: each hand-off costs a fixed few hundred us (to_arrow, numpy
@@ -65,6 +66,7 @@ HOLD_EVENTS = 131_072
 # map's ring of 1,024 holds 4,096 a second of them, far above a server's request rate.
 REQUEST_EVENTS_PERIOD_S = 0.25
 CLOSE_TIMEOUT_S = 30.0
+IDLE_FLUSH_TIMEOUT_S = 5.0  # the writer's last small commit of a target gone idle
 
 
 @dataclass
@@ -195,8 +197,11 @@ class Pipeline:
             self.last_error = str(exc)
         # token-loss anomalies: scored as steps arrive, committed at once (None: detectors off)
         self.anomalies = LiveAnomalies(store, detector) if detector is not None else None
-        # training-step loss spikes and their dL/dE heatmaps (rows written straight to the store)
-        self.training = TrainingMonitor(pid, store.export, artifacts_dir_for(store.path), self.shm.shm_dir)
+        # training-step loss spikes and their dL/dE heatmaps: rows on the anomaly lane, as incidents
+        submit = self.anomalies.submit if self.anomalies is not None else store.export
+        self.training = TrainingMonitor(pid, submit, artifacts_dir_for(store.path), self.shm.shm_dir)
+        if self.anomalies is not None:
+            self.anomalies.pass_progress = self.training.scored_through
         self._correlator.start()
 
     @classmethod
@@ -333,6 +338,11 @@ class Pipeline:
             "updated_ns": clock.monotonic_ns(),
             "stats": self.live.row(),
             "drops": self.drops(),
+            # the store's progress: a small commit may be held up to MAX_HOLD_S (store/writer.py)
+            "store": {
+                "commits": self.writer.counters.commits,
+                "committed_rows": self.writer.counters.committed_rows,
+            },
             "attached": [p.name for p in self.bpf.session.attached_probes] if self.bpf else [],
         }
         try:
@@ -356,15 +366,17 @@ class Pipeline:
         interval = every_s
         try:
             while not self._stop.wait(interval):
-                # An idle target: nothing submitted since the run before the last (that last run saw
-                # whatever the writer committed late, <= 1 s) and no failed window to retry: the same
-                # SQL would roll up the same rows again. Skipped, counted, and the thread sleeps until
-                # rows arrive (no wake-ups of an idle agent); the final correlate at close covers
-                # everything anyway.
+                # An idle target: nothing submitted since the run before the last, whose small last
+                # commit the writer may still hold (MAX_HOLD_S): flushed, and this run rolls it up.
+                # After that, with no failed window to retry, the same SQL would roll up the same rows
+                # again: skipped, counted, and the thread sleeps until rows arrive (no wake-ups of an
+                # idle agent); the final correlate at close covers everything anyway.
                 self._arrived.clear()  # before _fresh is read: a submit in between sets it again
                 quiet = 0 if self._fresh else quiet + 1
                 self._fresh = False
-                if quiet >= 2 and previous is not None and self._unrolled_since is None:
+                if quiet == 2:
+                    self.writer.flush(IDLE_FLUSH_TIMEOUT_S)
+                elif quiet > 2 and previous is not None and self._unrolled_since is None:
                     self.correlate_idle += 1
                     STAGES.count("correlate_skipped_idle")
                     self._arrived.wait()  # set by the next submit, or by close

@@ -2,11 +2,12 @@
 
 Sources (the ring drain, the shm reader) must never wait on the disk: they `submit()` and return. A
 writer thread decodes ring records, coalesces batches and commits when `max_rows` are pending or
-`max_delay_s` has passed since the first pending item. Why coalesce: DuckDB's append cost per row
-falls steeply with commit size (measured on this VM, one core: ~1.2 M rows/s at 125 k rows per commit,
-~2.6 M rows/s at 1 M), and a commit is still atomic, so a crash loses at most the pending (uncommitted)
-items, never part of a commit. When the queue is full the item is dropped and counted, like the kernel
-counts ring drops: a slow disk costs data, not the workload's or the drain's time.
+`max_delay_s` has passed since the first pending item (`max_hold_s` for a small commit, below). Why
+coalesce: DuckDB's append cost per row falls steeply with commit size (measured on this VM, one core:
+~1.2 M rows/s at 125 k rows per commit, ~2.6 M rows/s at 1 M), and a commit is still atomic, so a
+crash loses at most the pending (uncommitted) items, never part of a commit. When the queue is full
+the item is dropped and counted, like the kernel counts ring drops: a slow disk costs data, not the
+workload's or the drain's time.
 
 Items are held as submitted and converted once per table per commit (ring records decoded together in
 one call, EventDecoder.decode_parts, with no concatenation copy; dicts of numpy columns concatenated
@@ -35,6 +36,14 @@ from llmobs.store.sink import DuckDBStore
 # Raw (unconverted) rows held before they are converted in one go: large enough that a slow target's
 # second of items is one conversion, small enough that the concatenation copy stays ~4 MB.
 CONVERT_ROWS = 65_536
+# A commit costs a fixed ~4-15 ms of DuckDB statement planning and WAL write however few its rows
+# (measured on this VM: 20 token steps ~5 ms of CPU, 360 events ~10 ms): at a target stepping 20 times
+# a second, one commit a second was the agent's largest single cost (~1.2% of a core). A commit of
+# fewer than SMALL_COMMIT_ROWS rows waits up to MAX_HOLD_S for more; a busy target's commits still go
+# out every max_delay_s. The price: the store lags a slowly stepping target by up to MAX_HOLD_S, and a
+# crash loses up to that much of its ring events (its token steps are re-read from the map on restart).
+SMALL_COMMIT_ROWS = 4_096
+MAX_HOLD_S = 4.0
 _STOP = object()  # commit what is pending, then end the thread
 _FLUSH = object()  # commit what is pending now
 
@@ -60,11 +69,13 @@ class StoreWriter:
         max_rows: int = 1_000_000,
         max_delay_s: float = 1.0,
         queue_items: int = 100,
+        max_hold_s: float = MAX_HOLD_S,
     ):
         self.store = store
         self.decoder = decoder
         self.max_rows = max_rows
         self.max_delay_s = max_delay_s
+        self.max_hold_s = max(max_hold_s, max_delay_s)
         self.counters = WriterCounters()
         self._queue: queue.Queue = queue.Queue(maxsize=queue_items)
         self._idle = threading.Condition()
@@ -98,7 +109,9 @@ class StoreWriter:
         pending = _Pending(self)
         first_at = 0.0
         while True:
-            timeout = None if not pending.items else max(0.0, first_at + self.max_delay_s - time.monotonic())
+            timeout = (
+                None if not pending.items else max(0.0, first_at + self._delay(pending) - time.monotonic())
+            )
             try:
                 item = self._queue.get(timeout=timeout)
             except queue.Empty:
@@ -108,12 +121,16 @@ class StoreWriter:
                 if not pending.items:
                     first_at = time.monotonic()
                 pending.add(item)
-            late = pending.items and time.monotonic() - first_at >= self.max_delay_s
-            if pending.items and (item is None or control or pending.rows >= self.max_rows or late):
+            due = pending.items and time.monotonic() - first_at >= self._delay(pending)
+            if pending.items and (control or pending.rows >= self.max_rows or due):
                 self._commit(pending)
                 pending = _Pending(self)
             if item is _STOP:
                 return
+
+    def _delay(self, pending: _Pending) -> float:
+        """How long the first pending item may wait: max_delay_s, or max_hold_s for a small commit."""
+        return self.max_delay_s if pending.rows >= SMALL_COMMIT_ROWS else self.max_hold_s
 
     def _commit(self, pending: _Pending) -> None:
         merged, rows = pending.tables()
