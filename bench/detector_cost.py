@@ -44,15 +44,18 @@ def _columns(rng, seq: int, n: int) -> dict:
     }
 
 
-ARMS = ("both", "calibrated", "calibrated/relative", "all")  # selection[/calibrated_score]
+# selection[/calibrated_score[/aftermath]]: the default (calibrated, raw, aftermath 16) and without it
+ARMS = ("both", "calibrated", "calibrated/raw/0", "calibrated/relative", "all")
 
 
 def detector_arm(name: str, batch: int, seconds: float) -> Arm:
     rng = np.random.default_rng(0)
-    selection, _, score = name.partition("/")
+    selection, _, rest = name.partition("/")
+    score, _, aftermath = rest.partition("/")
 
     def once(ctx) -> dict[str, float]:
-        config = DetectorConfig(detector=selection, alarm_rate=1e-3, calibrated_score=score or "raw")
+        config = DetectorConfig(detector=selection, alarm_rate=1e-3, calibrated_score=score or "raw",
+                                aftermath=int(aftermath or DetectorConfig.aftermath))  # fmt: skip
         detector = StreamingDetector(config)
         seq = 0
         while seq < 20_000:  # warm: every reference past its warm-up, as in a running agent

@@ -76,6 +76,47 @@ TUNING_PROMPTS = [
     "The human heart pumps blood",
     "When writing a formal letter, you should",
     "The difference between weather and climate is",
+    # 40 more, added to develop the combined score on as many texts as the held-out set has
+    "The invention of the telephone changed",
+    "A good pizza dough needs",
+    "Sharks have survived for millions of years because",
+    "The causes of the Great Depression included",
+    "When learning to swim, beginners should",
+    "Clouds are made of",
+    "A database index speeds up queries by",
+    "The Sahara desert covers",
+    "To plant a tree properly, you",
+    "Newton's laws of motion describe",
+    "Neural networks learn by adjusting",
+    "The longest rivers in Africa are",
+    "A balanced lunch for a child includes",
+    "The phases of the moon are caused by",
+    "A compiler translates",
+    "The Industrial Revolution started in Britain because",
+    "Regular exercise improves",
+    "The lungs take in oxygen and",
+    "When giving a presentation, it helps to",
+    "Seasons change because the Earth",
+    "Medieval castles were built with",
+    "A good password should",
+    "Elephants use their trunks to",
+    "The Renaissance was a period when",
+    "Before painting a wall, you should",
+    "Rain forms when water vapour",
+    "Version control systems let programmers",
+    "The Pacific Ocean is",
+    "To fix a leaking tap, first",
+    "Gravity keeps the planets",
+    "Search engines rank web pages by",
+    "The countries of South America include",
+    "A vegetarian diet can provide protein from",
+    "Comets have tails because",
+    "A web browser displays a page by",
+    "The printing of the first newspapers",
+    "Stretching before running helps",
+    "The kidneys filter",
+    "A job interview usually begins with",
+    "Leaves change colour in autumn because",
 ]
 HELD_OUT_PROMPTS = [
     "Volcanoes form when molten rock",
@@ -352,7 +393,15 @@ def _calibrated(args) -> dict[float, object]:
     from llmobs.diagnostics.detectors import DetectorConfig, StreamingDetector
 
     return {
-        b: StreamingDetector(DetectorConfig(detector="calibrated", alarm_rate=b, calibrated_score=args.score))
+        b: StreamingDetector(
+            DetectorConfig(
+                detector="calibrated",
+                alarm_rate=b,
+                calibrated_score=args.score,
+                aftermath=args.aftermath,
+                aftermath_z=args.aftermath_z,
+            )
+        )
         for b in args.budgets
     }
 
@@ -438,7 +487,7 @@ def evaluate_corpus(args, tokenizer, score: Scorer) -> tuple[Results, dict]:
     windowed = StreamingDetector(_windowed_config(args))
     calibrated = _calibrated(args)
     results = Results()
-    warmup = {}
+    warmup, aftermath = {}, {}
     for ids in chunks:
         columns = score(ids)
         before = windowed.counters.tested
@@ -455,7 +504,9 @@ def evaluate_corpus(args, tokenizer, score: Scorer) -> tuple[Results, dict]:
             _count(results.get("corpus", calibrated_name(b)), found, [], tested)
     for b, detector in calibrated.items():
         warmup[b] = detector.counters.warmup
-    return results, {"chunks": len(chunks), "tokens": sum(c.shape[1] - 1 for c in chunks), "warmup": warmup}
+        aftermath[b] = detector.counters.aftermath
+    tokens = sum(c.shape[1] - 1 for c in chunks)
+    return results, {"chunks": len(chunks), "tokens": tokens, "warmup": warmup, "aftermath": aftermath}
 
 
 def _corrupt(ids, positions: list[int], rng, vocab: int):
@@ -521,7 +572,8 @@ def print_tables(
         f"min history {args.min_history}, "
         f"alpha {args.alpha}, MAD threshold {args.mad_threshold}, logit noise {args.noise} and "
         f"{args.strong_noise} x row sd, MLP layer {args.mlp_layer} x {args.mlp_scale}; default alarm rate "
-        f"{args.alarm_rate:g}, calibrated score {args.score}"
+        f"{args.alarm_rate:g}, calibrated score {args.score}, aftermath {args.aftermath} "
+        f"(z > {args.aftermath_z:g})"
     )
     print(
         f"{info['seconds']:.0f} s ({info['load']:.0f} s loading, {info['sampling']:.0f} s sampling), "
@@ -594,23 +646,26 @@ def print_tables(
     )
     print()
     print(
-        "| detector | budget | warm-up (untested) | tested | flags | measured rate | 95% interval "
+        "| detector | budget | warm-up (untested) | aftermath (untested) | tested | flags | measured rate "
+        "| 95% interval "
         "| measured / budget"
         " | tokens for +-30% | resolved |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | --- |")
     for b in args.budgets:
         t = corpus.get("corpus", calibrated_name(b))
         need = needed_tokens(b)
         if not t.tested:
             print(
-                f"| calibrated | {b:g} | {corpus_info['warmup'][b]:,} | 0 | - | - | - | - | {need:,} | no |"
+                f"| calibrated | {b:g} | {corpus_info['warmup'][b]:,} | {corpus_info['aftermath'][b]:,} "
+                f"| 0 | - | - | - | - | {need:,} | no |"
             )
             continue
         low, high = binomial_interval(t.false_flags, t.tested)
         rate = t.false_flags / t.tested
         print(
-            f"| calibrated | {b:g} | {corpus_info['warmup'][b]:,} | {t.tested:,} | {t.false_flags} "
+            f"| calibrated | {b:g} | {corpus_info['warmup'][b]:,} | {corpus_info['aftermath'][b]:,} "
+            f"| {t.tested:,} | {t.false_flags} "
             f"| {rate:.2e} | "
             f"[{low:.2e}, {high:.2e}] | {rate / b:.2f} | {need:,} | {'yes' if t.tested >= need else 'no'} |"
         )
@@ -619,7 +674,7 @@ def print_tables(
         nominal = f"{args.alpha:g}" if detector == "loss_ttest" else f"z > {args.mad_threshold}"
         rate = t.false_flags / t.tested if t.tested else float("nan")
         print(
-            f"| {detector.removeprefix('loss_')} | {nominal} | 0 | {t.tested:,} | {t.false_flags} "
+            f"| {detector.removeprefix('loss_')} | {nominal} | 0 | 0 | {t.tested:,} | {t.false_flags} "
             f"| {rate:.2e} | | | | |"
         )
 
@@ -661,6 +716,12 @@ def main() -> int:
         choices=("raw", "relative"),
         default="raw",
         help="what the calibrated detector ranks: the raw loss or its request-relative z",
+    )
+    p.add_argument(
+        "--aftermath", type=int, default=16, help="calibrated: a flag's aftermath (tokens; 0: none)"
+    )
+    p.add_argument(
+        "--aftermath-z", type=float, default=6.0, help="calibrated: the z an aftermath token needs"
     )
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--min-history", type=int, default=8)

@@ -59,9 +59,9 @@ def tree_env(tree: Path, run_dir: str) -> dict:
 class Attach:
     """`attach --pid P --db X --overhead-budget 0` of one tree; its stderr collected by a thread."""
 
-    def __init__(self, pid: int, db: str, env: dict):
+    def __init__(self, pid: int, db: str, env: dict, extra: tuple[str, ...] = ()):
         argv = [sys.executable, "-m", "llmobs.cli", "attach", "--pid", str(pid), "--db", db,
-                "--overhead-budget", "0"]  # fmt: skip
+                "--overhead-budget", "0", *extra]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      env={**os.environ, **env}, cwd=REPO)  # fmt: skip
         self.err = b""
@@ -141,7 +141,7 @@ def measure(tree: Path, load: str, opts: dict) -> dict:
             rate, batch = (opts["slow_rate"], 1) if load == "slow" else (float(load), opts["batch"])
             target = SyntheticPublisher(rate, batch=batch, env=env)
         with target:
-            agent = Attach(target.pid, f"{tmp}/a.duckdb", env)
+            agent = Attach(target.pid, f"{tmp}/a.duckdb", env, tuple(opts.get("attach_args", ())))
             try:
                 target.go()
                 first = read_snapshot(tmp, target.pid, time.monotonic_ns() + int(opts["warmup"] * 1e9),
@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="synthetic publisher rows per forward pass")
     parser.add_argument("--slow-rate", type=float, default=20.0, help="the slow target's steps/s")
     parser.add_argument("--only", help="loads to run (default: the rates, tiny, slow)")
+    parser.add_argument(
+        "--attach-args", default="", help='more attach flags for both trees, e.g. "--detector both"'
+    )
     add_json_option(parser)
     args = parser.parse_args(argv)
     if os.geteuid() != 0:
@@ -198,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_baseline:
         trees = {"before": ensure_baseline(args.baseline or DEFAULT_BASELINE, BASELINE_COMMIT), **trees}
     byte_compiled(*trees.values())
-    opts = {"seconds": args.seconds, "warmup": args.warmup, "batch": args.batch, "slow_rate": args.slow_rate}
+    opts = {"seconds": args.seconds, "warmup": args.warmup, "batch": args.batch, "slow_rate": args.slow_rate,
+            "attach_args": args.attach_args.split()}  # fmt: skip
     report = Report("step_cost", args)
     report.note(" ".join(f"{name}: {tree}" for name, tree in trees.items())
                 + f"; {args.rounds} interleaved round(s), {args.seconds:g} s windows")  # fmt: skip

@@ -15,6 +15,7 @@ _LAZY = {
     "MlpVariance": ("llmobs.publisher.layers", "MlpVariance"),
     "LayerStreams": ("llmobs.publisher.layers", "LayerStreams"),
     "TrainingOptions": ("llmobs.publisher.training", "TrainingOptions"),
+    "Recorder": ("llmobs.publisher.recorder", "Recorder"),
 }
 
 

@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "top": ("llmobs.commands.top", "live view of attached processes: tokens/s, latency, loss, work per step"),
     "demo": ("llmobs.commands.demo", "run SmolLM2 under the agent; per-token report, trace, plot"),
     "explain": ("llmobs.commands.explain", "one token step: loss, detector verdicts, evidence, root cause"),
+    "replay": ("llmobs.commands.replay", "replay a token step in the live workload: reproduced or drift"),
     "run": ("llmobs.commands.run", "the host daemon: discover, attach, store and export (systemd service)"),
 }
 

@@ -175,7 +175,7 @@ Default: 64. Read by: the daemon's settings.
 LLMOBS_DETECTOR = "LLMOBS_DETECTOR"
 """detector.name: the token-loss anomaly detectors (calibrated, ttest, mad, both, all or off).
 
-Default: both. Read by: the daemon's settings.
+Default: calibrated. Read by: the daemon's settings.
 """
 
 LLMOBS_ALARM_RATE = "LLMOBS_ALARM_RATE"
@@ -206,6 +206,25 @@ LLMOBS_DETECTOR_MAD_THRESHOLD = "LLMOBS_DETECTOR_MAD_THRESHOLD"
 """detector.mad_threshold: the modified z-score above which the MAD detector flags a token.
 
 Default: 3.5. Read by: the daemon's settings.
+"""
+
+LLMOBS_DETECTOR_AFTERMATH = "LLMOBS_DETECTOR_AFTERMATH"
+"""detector.aftermath: the tokens after a calibrated flag that are taken as its consequence (untested)
+unless their loss also stands out within their request; 0: none.
+
+Default: 16. Read by: the daemon's settings.
+"""
+
+LLMOBS_REPLAY_ON_ANOMALY = "LLMOBS_REPLAY_ON_ANOMALY"
+"""replay.on_anomaly: replay each flagged token in its workload's flight recorder and store the verdict.
+
+Default: false. Read by: the daemon's settings.
+"""
+
+LLMOBS_REPLAY_MAX_PER_MINUTE = "LLMOBS_REPLAY_MAX_PER_MINUTE"
+"""replay.max_per_minute: at most this many automatic replays per target in any minute.
+
+Default: 2. Read by: the daemon's settings.
 """
 
 # ---- scripts/gpu_check.sh (the GPU machine's check) ---------------------------------------------------

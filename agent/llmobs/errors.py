@@ -23,7 +23,12 @@ class ExitCode:
     NO_GPU = 10
     STORE_ERROR = 11
     GPU_BUSY = 12  # `trace`: another tool (the PyTorch profiler, Nsight) owns CUPTI in the process
-    NO_RESPONSE = 13  # `trace`: the process did not answer the control block in time (idle?)
+    NO_RESPONSE = 13  # `trace`, `replay`: the process did not answer the control block in time (idle?)
+    UNKNOWN_REQUEST = 14  # `replay`: the flight recorder keeps no request that holds that token step
+    REPLAY_BUSY = 15  # `replay`: the workload is running another replay
+    NO_RECORDER = 16  # `replay`: the workload runs without a flight recorder (llmobs.Recorder)
+    REPLAY_TIMEOUT = 17  # `replay`: the replay was accepted but its result did not appear in time
+    REPLAY_FAILED = 18  # `replay`: the workload could not replay (prompt gone, replay raised): stored
 
 
 class LlmobsError(Exception):
@@ -90,6 +95,34 @@ class GpuBusy(LlmobsError):
 class NoResponse(LlmobsError):
     exit_code = ExitCode.NO_RESPONSE
     default_hint = "a process handles commands when a token step starts: is it generating? raise --timeout"
+
+
+class UnknownRequest(LlmobsError):
+    exit_code = ExitCode.UNKNOWN_REQUEST
+    default_hint = (
+        "the recorder keeps the live requests and the last keep_ended ended ones: replay a newer step, or"
+        " raise llmobs.Recorder(keep_ended=N) in the workload"
+    )
+
+
+class ReplayBusy(LlmobsError):
+    exit_code = ExitCode.REPLAY_BUSY
+    default_hint = "one replay runs at a time per process: try again when it is done"
+
+
+class NoRecorder(LlmobsError):
+    exit_code = ExitCode.NO_RECORDER
+    default_hint = "instrument with `llmobs.instrument(model, recorder=llmobs.Recorder())` (docs/replay.md)"
+
+
+class ReplayTimeout(LlmobsError):
+    exit_code = ExitCode.REPLAY_TIMEOUT
+    default_hint = "a long window on a busy host takes longer: raise --timeout or shrink --window"
+
+
+class ReplayFailed(LlmobsError):
+    exit_code = ExitCode.REPLAY_FAILED
+    default_hint = 'the reason is stored with the replay: llmobs-agent query "SELECT * FROM replays"'
 
 
 class UsageError(LlmobsError):

@@ -500,7 +500,48 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="Z",
         flag_help="mad: modified z-score to flag",
     ),
+    Setting(
+        "detector.aftermath",
+        "aftermath",
+        DetectorConfig.aftermath,
+        environment.LLMOBS_DETECTOR_AFTERMATH,
+        "--aftermath",
+        _int_between(0, 4096),
+        "an integer in [0, 4096]; 0: none",
+        "calibrated: tokens after a flag that are its consequence unless they stand out in their request",
+        live=False,
+        metavar="N",
+        flag_help="calibrated: tokens after a flag taken as its consequence (0: none)",
+    ),
+    # the flight recorder's automatic mode (docs/replay.md): the agent replays flagged tokens itself
+    Setting(
+        "replay.on_anomaly",
+        "replay_on_anomaly",
+        False,
+        environment.LLMOBS_REPLAY_ON_ANOMALY,
+        "--replay-on-anomaly",
+        _bool,
+        "true or false (the flag alone: true)",
+        "replay each flagged token in its workload (needs llmobs.Recorder there) and store the verdict",
+        live=False,
+        metavar="BOOL",
+        flag_help="replay flagged tokens in the workload's flight recorder",
+    ),
+    Setting(
+        "replay.max_per_minute",
+        "replay_max_per_minute",
+        2,
+        environment.LLMOBS_REPLAY_MAX_PER_MINUTE,
+        "--replay-max-per-minute",
+        _int_between(1, 600),
+        "an integer in [1, 600]",
+        "at most this many automatic replays per target in any minute (the rest are counted, skipped)",
+        live=False,
+        metavar="N",
+        flag_help="at most N automatic replays per target a minute",
+    ),
 )
+REPLAY_KEYS = ("replay.on_anomaly", "replay.max_per_minute")
 DETECTOR_KEYS = tuple(s.key for s in SETTINGS if s.key.startswith("detector."))
 BY_KEY = {setting.key: setting for setting in SETTINGS}
 
@@ -529,12 +570,16 @@ def run_flags() -> tuple[Flag, ...]:
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
     """One argparse option per flag; the value stays a string (None: not given) until parse_value."""
     for item in flags:
+        setting = BY_KEY.get(item.key)
+        # a boolean setting's flag alone means true (--replay-on-anomaly); `--flag false` still parses
+        alone = {"nargs": "?", "const": "true"} if setting is not None and setting.parse is _bool else {}
         parser.add_argument(
             item.option,
             dest=item.attr,
             metavar=item.metavar,
             default=None,
             help=f"{item.help} ({item.key})".replace("%", "%%"),
+            **alone,
         )
 
 
@@ -582,3 +627,17 @@ def detector_config(args: argparse.Namespace) -> DetectorConfig | None:
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     return config_of(values)
+
+
+def replay_flags() -> list[Flag]:
+    """The flags of the replay.* settings (attach; `run` has them from the table)."""
+    return [flag(key) for key in REPLAY_KEYS]
+
+
+def replay_options(values: dict[str, object]):
+    """The automatic replays' options from replay.* values (None: replay.on_anomaly off)."""
+    if not values["replay.on_anomaly"]:
+        return None
+    from llmobs.pipeline.auto_replay import ReplayOptions
+
+    return ReplayOptions(max_per_minute=int(values["replay.max_per_minute"]))

@@ -54,7 +54,7 @@ def _fill(store: DuckDBStore) -> tuple[pa.Table, set[tuple[str, int]]]:
             "kind": ["host"] * n,
         }})  # fmt: skip
     correlate.correlate(store.connection)
-    rows = StreamingDetector(DetectorConfig()).add(steps.to_pydict(), clock.monotonic_ns())
+    rows = StreamingDetector(DetectorConfig(detector="both")).add(steps.to_pydict(), clock.monotonic_ns())
     incidents = IncidentBuilder()  # as the agent's anomaly lane builds them: one per spike
     rows["incident_id"] = incidents.add(rows, clock.monotonic_ns())
     incidents.close_all(clock.monotonic_ns())

@@ -17,6 +17,7 @@ import llmobs
 import pytest
 import torch
 from llmobs.diagnostics.correlation import correlation_matrix
+from llmobs.diagnostics.detectors import DetectorConfig
 from llmobs.diagnostics.rootcause import root_cause
 from llmobs.pipeline import Pipeline
 from llmobs.pipeline.sources import ShmSource
@@ -45,7 +46,9 @@ def shm(tmp_path):
 def _store(tmp_path, shm):
     pid = os.getpid()
     db = tmp_path / "s.duckdb"
-    pipeline = Pipeline(DuckDBStore(db), pid, owns_store=True, snapshot=False, shm=ShmSource(pid, str(shm)))
+    # the request-window detectors: a few hundred tokens are below the calibrated one's warm-up
+    pipeline = Pipeline(DuckDBStore(db), pid, owns_store=True, snapshot=False, shm=ShmSource(pid, str(shm)),
+                        detector=DetectorConfig(detector="both"))  # fmt: skip
     pipeline.poll()
     pipeline.close()
     return pid, db

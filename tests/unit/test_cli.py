@@ -154,12 +154,16 @@ def test_run_flags_are_generated_from_the_settings_table(capsys) -> None:
         "--detector-window",
         "--alpha",
         "--mad-threshold",
+        "--aftermath",
+        "--replay-on-anomaly",
+        "--replay-max-per-minute",
         "--otlp",
         "--otlp-protocol",
-    ]  # fmt: skip  (the flags `run` had before they were generated, and the detector.* keys')
+    ]  # fmt: skip  (the flags `run` had before they were generated, and the detector.*, replay.* keys')
     for setting in SETTINGS:
-        if setting.flag:
-            assert f"{setting.flag} {setting.metavar}" in help_text and f"({setting.key})" in help_text
+        if setting.flag:  # a boolean's value is optional: `--replay-on-anomaly [BOOL]`
+            value = f"[{setting.metavar}]" if setting.metavar == "BOOL" else setting.metavar
+            assert f"{setting.flag} {value}" in help_text and f"({setting.key})" in help_text
     args = cli.build_parser().parse_args(["run", "--command", "serve", "--interval", "3", "--otlp", "x:1"])
     flags = flags_of(args)
     assert set(flags) == {flag.key for flag in FLAGS}

@@ -105,6 +105,9 @@ BAD_VALUES = {
     "detector.window": 1,
     "detector.alpha": "often",
     "detector.mad_threshold": -1,
+    "detector.aftermath": -3,
+    "replay.on_anomaly": "sometimes",
+    "replay.max_per_minute": 0,
 }
 
 

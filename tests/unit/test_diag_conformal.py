@@ -81,7 +81,9 @@ def test_false_alarm_rate_on_heavy_tailed_clean_losses_is_the_budgets_binomial(
 ):
     """Online smoothed conformal p-values of exchangeable losses are iid uniform, so the false alarms of
     the tested tokens are Binomial(tested, alarm_rate): the count must lie in its central 99.9%. Warm-up
-    is exact: a bucket's tokens are tested once its reference holds ceil(1 / alarm_rate) losses."""
+    is exact: a bucket's tokens are tested once its reference holds ceil(1 / alarm_rate) losses. A flag's
+    aftermath (the next 16 tokens of its request) is untested, and being in one depends only on earlier
+    tokens, so the tested tokens' flags are still that binomial."""
     rng = np.random.default_rng(20261201)
     detector = StreamingDetector(DetectorConfig(detector="calibrated", alarm_rate=alarm_rate))
     losses = CLEAN[distribution](rng, tokens)
@@ -93,8 +95,10 @@ def test_false_alarm_rate_on_heavy_tailed_clean_losses_is_the_budgets_binomial(
     per_batch = np.bincount(detector.calibrated.bucket_of(np.arange(batch)))  # positions 0..batch-1
     warmup = sum(min(math.ceil(need / k), batches) * k for k in per_batch.tolist() if k)
     assert detector.counters.warmup == warmup
-    assert detector.counters.tested == tokens - warmup
-    lo, hi = binomial_interval(tokens - warmup, alarm_rate)
+    aftermath = detector.counters.aftermath
+    assert aftermath > 0  # the rule ran: every flag but a batch's last tokens' has an aftermath
+    assert detector.counters.tested == tokens - warmup - aftermath
+    lo, hi = binomial_interval(tokens - warmup - aftermath, alarm_rate)
     assert lo <= flags <= hi, (flags, lo, hi)
     assert detector.calibrated.counters.held_out == 0  # clean traffic never trips the burst guard
 
@@ -129,10 +133,42 @@ def test_a_spike_is_flagged_with_its_p_value_and_reference():
     assert detail["reference_n"] == 1120 and detail["reference"] == "forced/bucket 1"
     assert 0 < detail["p_value"] <= 1 / 1121  # above every reference loss: only the coin U is left
     assert rows["score"][i] == pytest.approx(-math.log10(detail["p_value"]))
-    # tested: the 56 tokens of bucket [8, 64); [0, 8) holds 160 and [64, 512) 720 losses, < 1,000.
-    # BH over those 56 p-values at 0.2: p_(1) <= 1/1121 <= 0.2 / 56, so >= 1 discovery
-    assert detail["request_tested"] == 56 and detail["request_discoveries"] >= 1
+    # tested: the 56 tokens of bucket [8, 64) but the spike's aftermath, positions 41-56 (16 tokens);
+    # [0, 8) holds 160 and [64, 512) 720 losses, < 1,000. BH over those 40 p-values at 0.2: p_(1) <=
+    # 1/1121 <= 0.2 / 40, so >= 1 discovery
+    assert detail["request_tested"] == 40 and detail["request_discoveries"] >= 1
+    assert detector.counters.aftermath == 16
     assert detector.counters.requests_flagged >= 1
+
+
+def _bimodal(rng, n: int) -> np.ndarray:
+    """Losses like a text's: near-certain tokens (0.5 nats), likely ones (4.5) and open ones (9), so a
+    request's window has a wide MAD (~4) while the raw reference's tail ends near 10 nats."""
+    return np.maximum(rng.choice([0.5, 4.5, 9.0], n) + rng.normal(0.0, 0.3, n), 0.0)
+
+
+@pytest.mark.parametrize("aftermath", [16, 0])
+def test_a_flags_aftermath_is_a_consequence_unless_it_stands_out_in_its_request(aftermath):
+    """The next `aftermath` tokens after a flag read the flagged token as context: a raised loss there
+    (12 nats, above every clean one) is a consequence, not a row; a token that also stands out within
+    its request (80 nats: z ~12 > aftermath_z 6) is flagged, and so is a raised loss past the aftermath.
+    With aftermath=0 every raised loss is a row of its own (the contract above can fail)."""
+    rng = np.random.default_rng(3)
+    config = DetectorConfig(detector="calibrated", alarm_rate=1e-3, aftermath=aftermath)
+    detector = StreamingDetector(config)
+    for k in range(30):  # warm: [8, 64) gets 56 losses a pass, [64, 512) 36: both past 1,000
+        detector.add(_batch(_bimodal(rng, 100), first_seq=k * 1000), 1)
+    losses = _bimodal(rng, 100)
+    raised = {40: 40.0, 42: 12.0, 45: 12.0, 50: 80.0, 60: 12.0, 80: 12.0}
+    for step, value in raised.items():
+        losses[step] = value
+    rows = detector.add(_batch(losses, first_seq=99_000, trace="c" * 32), 1) or {"step": []}
+    if aftermath:
+        assert sorted(rows["step"]) == [40, 50, 80]  # 42, 45 after 40 and 60 after 50: consequences
+        assert detector.counters.consequences == 3
+    else:
+        assert sorted(rows["step"]) == sorted(raised)
+        assert detector.counters.consequences == 0 and detector.counters.aftermath == 0
 
 
 def _offset_passes(rng, passes: int, length: int, spread: float = 3.0) -> list[np.ndarray]:
@@ -158,8 +194,9 @@ def test_false_alarm_rate_with_a_spread_between_requests_is_the_budgets_binomial
     # warm-up: [0, 8) (raw losses: no history) 8 a pass -> 13 passes; [8, 64) 56 -> 2; [64, 512) 136 -> 1
     warmup = 13 * 8 + 2 * 56 + 1 * 136
     relative = detectors["relative"]
-    assert relative.counters.warmup == warmup and relative.counters.tested == 200 * 200 - warmup
-    lo, hi = binomial_interval(200 * 200 - warmup, 1e-2)
+    tested = 200 * 200 - warmup - relative.counters.aftermath  # a flag's next 16 tokens are untested
+    assert relative.counters.warmup == warmup and relative.counters.tested == tested
+    lo, hi = binomial_interval(tested, 1e-2)
     assert lo <= flags["relative"] <= hi, (flags, lo, hi)
     assert relative.calibrated.counters.held_out == 0
     assert flags["raw"] > hi and detectors["raw"].calibrated.counters.held_out > 0
@@ -334,7 +371,7 @@ def test_alarm_rate_from_the_daemons_file_variable_and_flag(tmp_path):
     )
     assert from_flag.detector_config().alarm_rate == 2e-5
     assert daemon_config.load(path, env={"LLMOBS_DETECTOR": "off"}).detector_config() is None
-    assert daemon_config.load(None, env={}).detector_config() == DetectorConfig(detector="both")
+    assert daemon_config.load(None, env={}).detector_config() == DetectorConfig(detector="calibrated")
     with pytest.raises(ConfigError, match=r"detector.alarm_rate = '0.5' \(from env LLMOBS_ALARM_RATE\)"):
         daemon_config.load(path, env={"LLMOBS_ALARM_RATE": "0.5"})
 

@@ -122,7 +122,7 @@ def test_streaming_equals_scoring_the_whole_sequence_whatever_the_chunks_and_int
     want = {(t, int(s), f"loss_{d}") for t, x in (("a" * 32, a), ("b" * 32, b)) for d in DETECTORS
             for s in np.flatnonzero(score_sequence(x).flagged(d))}  # fmt: skip
     assert len(want) >= 4  # both sequences do have anomalies, for both detectors
-    detector = StreamingDetector(DetectorConfig())
+    detector = StreamingDetector(DetectorConfig(detector="both"))
     got = set()
     cuts = [0, 1, 7, 8, 30, 31, 50, 51, 79, 80]
     for lo, hi in zip(cuts, cuts[1:], strict=False):  # both requests in each batch, in uneven chunks
@@ -148,7 +148,7 @@ def test_a_batch_of_many_requests_scores_as_each_request_alone(monkeypatch, few)
     want = {(t, int(s), f"loss_{d}") for t, x in series.items() for d in DETECTORS
             for s in np.flatnonzero(score_sequence(x).flagged(d))}  # fmt: skip
     assert len(want) >= 12
-    detector = StreamingDetector(DetectorConfig())
+    detector = StreamingDetector(DetectorConfig(detector="both"))
     got, details = set(), {}
     cuts = [0, 5, 6, 40, 41, 77, 90]  # batches of 6 x 1 .. 6 x 36 steps: both key paths
     for lo, hi in zip(cuts, cuts[1:], strict=False):
@@ -162,7 +162,8 @@ def test_a_batch_of_many_requests_scores_as_each_request_alone(monkeypatch, few)
     assert got == want
     assert detector.counters.steps == 6 * 90 and detector.counters.open == 6
     trace, losses = next(iter(series.items()))
-    alone = StreamingDetector(DetectorConfig()).add(_steps(trace, losses, first=1000, row=0), now_ns=1)
+    both = StreamingDetector(DetectorConfig(detector="both"))
+    alone = both.add(_steps(trace, losses, first=1000, row=0), now_ns=1)
     keys = zip(alone["trace_id"], alone["step"], alone["kind"], strict=True)
     for key, detail in zip(keys, alone["detail"], strict=True):
         assert json.loads(details[key]) == pytest.approx(json.loads(detail))
@@ -281,7 +282,7 @@ def test_refresh_fills_evidence_once_the_step_is_rolled_up(store):
 
 
 def test_live_anomalies_commit_rows_with_their_latency(store):
-    live = LiveAnomalies(store, DetectorConfig())
+    live = LiveAnomalies(store, DetectorConfig(detector="both"))
     losses = np.random.default_rng(2).normal(2.0, 0.2, 40)
     losses[35] = 6.0
     steps = _steps("d" * 32, losses, first=300)
@@ -307,7 +308,7 @@ def test_a_forward_with_labels_is_one_request_even_when_a_poll_splits_it():
     losses[40] = 5.0
     steps = _steps("e" * 32, losses, first=900)
     steps["step_seq"] = np.full(48, 900)
-    detector = StreamingDetector(DetectorConfig())
+    detector = StreamingDetector(DetectorConfig(detector="both"))
     first = detector.add({k: v[:37] for k, v in steps.items()}, 0)
     rest = detector.add({k: v[37:47] for k, v in steps.items()}, 0)
     detector.add({k: v[47:] for k, v in steps.items()}, 0)  # one row alone: still the same request
@@ -327,7 +328,7 @@ def test_attach_flags_select_the_detectors():
     def config(*flags):
         return detector_config(build_parser().parse_args(["attach", "--pid", "1", *flags]))
 
-    assert config() == DetectorConfig(detector="both")  # the agent's default (AGENT_DETECTOR)
+    assert config() == DetectorConfig() and config().detector == "calibrated"  # AGENT_DETECTOR
     assert config("--detector", "off") is None
     chosen = config(
         "--detector", "mad", "--detector-window", "64", "--mad-threshold", "5", "--alpha", "0.001"

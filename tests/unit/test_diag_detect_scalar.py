@@ -12,11 +12,13 @@ from llmobs.diagnostics.detectors import DetectorConfig, Scores, StreamingDetect
 from numpy.lib.stride_tricks import sliding_window_view
 
 CONFIGS = [
-    DetectorConfig(),
-    DetectorConfig(window=2, min_history=2),
-    DetectorConfig(window=9, min_history=3, alpha=0.2, mad_threshold=1.0),
-    DetectorConfig(window=40, min_history=8, min_sd=0.0),  # flat windows: sd 0, inf / NaN scores
-    DetectorConfig(window=200, min_history=8, alpha=0.3, mad_threshold=0.5),  # the > 128 pairwise sum
+    DetectorConfig(detector="both"),
+    DetectorConfig(detector="both", window=2, min_history=2),
+    DetectorConfig(detector="both", window=9, min_history=3, alpha=0.2, mad_threshold=1.0),
+    # flat windows: sd 0, inf / NaN scores
+    DetectorConfig(detector="both", window=40, min_history=8, min_sd=0.0),
+    # the > 128 pairwise sum
+    DetectorConfig(detector="both", window=200, min_history=8, alpha=0.3, mad_threshold=0.5),
 ]
 
 
@@ -114,3 +116,28 @@ def test_a_stream_of_tiny_batches_gives_the_numpy_paths_rows_and_state(monkeypat
     for key, state in floats._open.items():
         assert state.seen == arrays._open[key].seen
         assert state.history.tolist() == arrays._open[key].history.tolist()
+
+
+def test_the_calibrated_detectors_tiny_path_gives_the_numpy_paths_rows_and_counters(monkeypatch):
+    """The calibrated detector's request-relative z (its aftermath test) and aftermath bookkeeping for
+    polls of <= TINY_BATCH steps, in Python floats, against the numpy path on the same stream."""
+    polls = _stream(np.random.default_rng(11), requests=40, steps=60)  # positions 10-69: two buckets
+    runs = []
+    for tiny in (detectors.TINY_BATCH, 0):
+        monkeypatch.setattr(detectors, "TINY_BATCH", tiny)
+        detector = StreamingDetector(DetectorConfig(detector="calibrated", alarm_rate=1e-2))
+        seen_z: list[np.ndarray] = []  # every step's z as the aftermath test gets it
+
+        def recorded(scores, z, *rest, seen=seen_z, test=detector._aftermath):
+            seen.append(z.copy())
+            return test(scores, z, *rest)
+
+        monkeypatch.setattr(detector, "_aftermath", recorded)
+        rows = [detector.add(poll, now_ns=1) for poll in polls]
+        runs.append((rows, detector.counters, np.concatenate(seen_z)))
+    (tiny_rows, tiny_counters, tiny_z), (numpy_rows, numpy_counters, numpy_z) = runs
+    assert np.array_equal(tiny_z, numpy_z, equal_nan=True) and np.isfinite(tiny_z).sum() > 1000
+    assert tiny_rows == numpy_rows
+    assert (tiny_counters.tested, tiny_counters.aftermath, tiny_counters.consequences) == (
+        numpy_counters.tested, numpy_counters.aftermath, numpy_counters.consequences)  # fmt: skip
+    assert sum(len(r["step"]) for r in tiny_rows if r) > 5 and tiny_counters.aftermath > 0

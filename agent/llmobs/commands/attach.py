@@ -23,6 +23,8 @@ from llmobs.settings import (
     flag,
     flag_values,
     parse_value,
+    replay_flags,
+    replay_options,
 )
 from llmobs.shm.presence import ReaderPresence
 
@@ -97,6 +99,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     add_flags(parser, (COST_SCALE,))
     add_detector_arguments(parser)
+    add_flags(parser, replay_flags())
     parser.add_argument("--status-interval", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
 
 
@@ -126,6 +129,12 @@ def _validate(args: argparse.Namespace) -> tuple[str, ...]:
         args.detector_config = detector_config(args)
     except ValueError as exc:
         raise UsageError(str(exc), hint=HINT) from None
+    args.replay = replay_options(flag_values(args, replay_flags(), hint=HINT))
+    if args.replay is not None and ((args.db is None and not args.otlp) or args.detector_config is None):
+        raise UsageError(
+            "--replay-on-anomaly replays flagged tokens into the store: it needs --db and the detectors on",
+            hint="add --db [PATH] (and leave --detector on)",
+        )
     return values["probes.profiles"]
 
 
@@ -411,4 +420,5 @@ def _open_pipeline(args: argparse.Namespace, session, store):
     """The target's pipeline into `store` (which the caller closes if this raises)."""
     from llmobs.pipeline import Pipeline
 
-    return Pipeline(store, args.pid, session=session, sample_ratio=args.sample, detector=args.detector_config)
+    return Pipeline(store, args.pid, session=session, sample_ratio=args.sample, detector=args.detector_config,
+                    replay=args.replay)  # fmt: skip

@@ -31,8 +31,13 @@ import sys
 import time
 from pathlib import Path
 
+from llmobs.diagnostics.detectors import DetectorConfig
 from llmobs.errors import ExitCode, LlmobsError, MissingLibrary, UsageError
 
+# The agent's default detector (calibrated) tests a position only once the process has scored 1 /
+# alarm-rate tokens there (1,000 at 1e-3): a demo of a few dozen tokens ends first. So the demo runs
+# `all`: the calibrated detector and the request-window t-test and MAD, which test from token 8.
+DEMO_DETECTORS = DetectorConfig(detector="all")
 TENANTS = "acme,globex"
 # the generation workload, run as `python -m` in a child: it is package code, so an installed agent has it
 WORKLOAD = "llmobs.workloads"
@@ -285,7 +290,7 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
     session = AttachSession(workload.pid, Options(profiles=profiles))
     session.start()
     store = DuckDBStore(db)
-    pipeline = Pipeline(store, workload.pid, session=session, snapshot=True)
+    pipeline = Pipeline(store, workload.pid, session=session, snapshot=True, detector=DEMO_DETECTORS)
     # the report is about this run: the store stays open after the agent is done (owns_store False)
     detached = []  # the workload's target once detached: at the end, or when it exited early
     agent = Agent(store=store, log=lambda line: progress(line, final=True), on_detach=detached.append)
@@ -362,7 +367,7 @@ def _serve_demo(args, profiles, out: Path, db: Path, server: Workload, progress:
     session = AttachSession(server.pid, Options(profiles=profiles))
     session.start()
     store = DuckDBStore(db)
-    pipeline = Pipeline(store, server.pid, session=session, snapshot=True)
+    pipeline = Pipeline(store, server.pid, session=session, snapshot=True, detector=DEMO_DETECTORS)
     detached = []  # the server's target, detached once it exited (or at the end)
     agent = Agent(store=store, log=lambda line: progress(line, final=True), on_detach=detached.append)
     agent.add(session, pipeline)

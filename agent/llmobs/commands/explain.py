@@ -160,6 +160,7 @@ def explain(conn, request: dict, step_index: int) -> dict:
     report["evidence"] = _evidence(conn, step, report["anomalies"])
     report["layers"] = _layers(conn, step)
     report["root_cause"] = _root_cause(conn, step)
+    report["replay"] = _replay(conn, step)
     return report
 
 
@@ -171,7 +172,7 @@ def _median(values: np.ndarray) -> float | None:
 def _verdicts(losses: np.ndarray, i: int) -> dict:
     """Both detectors at their defaults on the request's losses up to this token (what the live agent
     computes, recomputed here so a step that was not flagged still shows its numbers)."""
-    config = DetectorConfig()
+    config = DetectorConfig(detector="both")
     scores = score_sequence(losses[: i + 1], config)
     tested = bool(scores.n[i])
     out = {
@@ -276,6 +277,30 @@ def _layers(conn, step: dict) -> list[dict]:
     ]
 
 
+_REPLAY_COLUMNS = ("replay_id", "verdict", "verdict_detail", "first_diverging_layer", "cause",
+                   "op_graph_hash", "recorded_loss", "replay_loss", "loss_diff", "status", "reason",
+                   "trigger")  # fmt: skip
+
+
+def _replay(conn, step: dict) -> dict | None:
+    """The newest replay of this token step (llmobs-agent replay, or --replay-on-anomaly); None: none,
+    or a store from before replays (migration 12)."""
+    try:
+        rows = conn.execute(
+            f"""SELECT {", ".join(_REPLAY_COLUMNS)} FROM replays
+                WHERE pid = ? AND target_step_seq = ? AND target_batch_row = ? ORDER BY ts_ns DESC LIMIT 1""",
+            [step["pid"], step["step_seq"], step["batch_row"] or 0],
+        ).fetchall()
+    except duckdb.Error:
+        return None
+    if not rows:
+        return None
+    replay = dict(zip(_REPLAY_COLUMNS, rows[0], strict=True))
+    if replay["op_graph_hash"] is not None:
+        replay["op_graph_hash"] = f"{replay['op_graph_hash']:016x}"
+    return replay
+
+
 def _root_cause(conn, step: dict) -> dict | None:
     try:
         from llmobs.diagnostics.rootcause import root_cause
@@ -351,6 +376,7 @@ def print_report(report: dict, out=None) -> None:
             w(f"  {kind}: {shown}{' ...' if len(values) > 24 else ''}\n")
     else:
         w("layer streams of this step: none (not sampled)\n")
+    _print_replay(report.get("replay"), w)
     rc = report["root_cause"]
     if rc is None:
         w("root cause: no candidate\n")
@@ -360,6 +386,21 @@ def print_report(report: dict, out=None) -> None:
         w(f"root cause candidate: {rc['module']} (score {rc['score']:.2f})\n")
         for line in rc["evidence"]:
             w(f"  {line}\n")
+
+
+def _print_replay(replay: dict | None, w) -> None:
+    if replay is None:
+        w("replay: none (llmobs-agent replay --trace T --step S, or an agent with --replay-on-anomaly)\n")
+        return
+    r = replay
+    layer = (
+        "" if r["first_diverging_layer"] is None else f", first diverging layer {r['first_diverging_layer']}"
+    )
+    cause = "" if r["cause"] is None else f", cause {r['cause']}"
+    w(f"replay {r['replay_id']} ({r['trigger']}): {r['verdict'].upper().replace('_', ' ')}{layer}{cause}; "
+      f"op graph {r['op_graph_hash'] or '-'}\n")  # fmt: skip
+    if r["verdict_detail"]:
+        w(f"  {r['verdict_detail']}\n")
 
 
 def _print_incident(incident: dict | None, w) -> None:

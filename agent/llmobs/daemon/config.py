@@ -53,6 +53,9 @@ class DaemonConfig:
     detector_window: int
     alpha: float
     mad_threshold: float
+    aftermath: int
+    replay_on_anomaly: bool  # replay.*: automatic replays of flagged tokens (replay_options())
+    replay_max_per_minute: int
     otlp: object | None = None  # llmobs.otlp.OtlpConfig when an endpoint is configured anywhere
     file: Path | None = None
     # key -> where its value came from: "default", "file", "env LLMOBS_X", "flag --x"
@@ -63,6 +66,12 @@ class DaemonConfig:
         from llmobs.diagnostics.detectors import config_of
 
         return config_of({s.key: getattr(self, s.attr) for s in SETTINGS if s.key.startswith("detector.")})
+
+    def replay_options(self):
+        """The automatic replays every target's pipeline runs (None: replay.on_anomaly off)."""
+        from llmobs.settings import REPLAY_KEYS, replay_options
+
+        return replay_options({s.key: getattr(self, s.attr) for s in SETTINGS if s.key in REPLAY_KEYS})
 
     def changed_keys(self, other: DaemonConfig) -> list[str]:
         """The keys whose values differ (for SIGHUP's log line and what it must redo)."""

@@ -33,9 +33,11 @@ from llmobs.pipeline.live import snapshot_path
 
 class Fleet:
     def __init__(self, options: Options, store, run_dir: Path, log: Callable[[str], None] = lambda _: None,
-                 detector: DetectorConfig | None = DetectorConfig()):  # noqa: B008 (frozen)  # fmt: skip
+                 detector: DetectorConfig | None = DetectorConfig(),  # noqa: B008 (frozen)
+                 replay=None):  # fmt: skip
         self.options = replace(options, shared=True, require_pytorch=False)
         self.detector = detector  # every target's loss-anomaly detectors (the daemon's detector.* keys)
+        self.replay = replay  # every target's automatic replays (replay.*: ReplayOptions, None off)
         self.store = store
         self.run_dir = run_dir
         self.log = log
@@ -104,6 +106,7 @@ class Fleet:
                 sample_ratio=self.options.sample_n,
                 snapshot=snapshot_path(proc.pid, self.run_dir),
                 detector=self.detector,
+                replay=self.replay,
             )
         except BaseException:
             session.close()

@@ -123,7 +123,8 @@ class Service:
             # per-hit cost of each uprobe, measured once per agent process: what the governor weighs
             calibrate=True,
         )
-        fleet = Fleet(options, self.store, config.run_dir, log=self.log, detector=config.detector_config())
+        fleet = Fleet(options, self.store, config.run_dir, log=self.log, detector=config.detector_config(),
+                      replay=config.replay_options())  # fmt: skip
         fleet.start()
         _release_heap()
         offered = [p.name for p in fleet.program.probes]

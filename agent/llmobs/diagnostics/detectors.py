@@ -38,6 +38,7 @@ from llmobs.diagnostics.conformal import (
     GENERATED,
     KIND_NAMES,
     VARIANT_NAMES,
+    CalibratedScores,
     ConformalScorer,
     RequestTests,
 )
@@ -52,10 +53,11 @@ WINDOWED = ("ttest", "mad")  # the detectors that test a token against its reque
 SELECTIONS = {d: (d,) for d in DETECTORS} | {"both": WINDOWED, "all": DETECTORS}
 MAD_TO_Z = 0.6745  # the modified z-score's constant: MAD of a standard normal is 0.6745
 DEFAULT_ALARM_RATE = 1e-3  # calibrated: false alarms per clean token (docs/diagnostics.md: the evaluation)
-# What the agent runs unless told otherwise (attach --detector, the daemon's detector.name): `both`.
-# The calibrated detector is the default only once it matches or beats the t-test's and MAD's F1 on
-# every fault kind of the held-out evaluation (issue 16); neither of its scores did (docs/diagnostics.md).
-AGENT_DETECTOR = "both"
+# What the agent runs unless told otherwise (attach --detector, the daemon's detector.name): the
+# calibrated detector, with its raw score and a flag's aftermath, matched or beat the t-test's and MAD's
+# F1 on every fault kind of the held-out evaluation at the default budget (docs/diagnostics.md), with
+# the false-alarm rate it was set to.
+AGENT_DETECTOR = "calibrated"
 CALIBRATED_SCORES = ("raw", "relative")
 MIN_ALARM_RATE, MAX_ALARM_RATE = 1e-6, 0.1  # below 1e-6 the warm-up is a million tokens
 
@@ -64,7 +66,7 @@ MIN_ALARM_RATE, MAX_ALARM_RATE = 1e-6, 0.1  # below 1e-6 the warm-up is a millio
 class DetectorConfig:
     """What the detectors test and how strictly. `detector`: calibrated | ttest | mad | both | all."""
 
-    detector: str = "both"
+    detector: str = AGENT_DETECTOR
     window: int = 32  # preceding tokens of the request the test compares against
     min_history: int = 8  # no verdict before this many preceding tokens
     alpha: float = 0.01  # t-test: one-sided significance level
@@ -80,6 +82,11 @@ class DetectorConfig:
     # relative: its `mad` z against its request's window, the raw loss for its first min_history tokens
     # (sees spikes small against the spread between requests; docs/diagnostics.md has both evaluations)
     calibrated_score: str = "raw"
+    # calibrated: a flagged token's aftermath, the next `aftermath` tokens of its request (0: none). The
+    # flagged token is their context, which raises their loss: one is flagged only if its loss also
+    # stands out within its request (its `mad` z above aftermath_z), else it is a consequence, untested.
+    aftermath: int = 16
+    aftermath_z: float = 6.0
 
     def __post_init__(self) -> None:
         if self.detector not in SELECTIONS:
@@ -107,6 +114,10 @@ class DetectorConfig:
             raise ValueError(f"buckets must be increasing positions >= 1 (at most 62), not {self.buckets}")
         if self.max_references < 1:
             raise ValueError(f"max_references must be >= 1, not {self.max_references}")
+        if self.aftermath < 0:
+            raise ValueError(f"aftermath must be >= 0 tokens, not {self.aftermath}")
+        if self.aftermath_z <= 0:
+            raise ValueError(f"aftermath_z must be > 0, not {self.aftermath_z}")
         if self.calibrated_score not in CALIBRATED_SCORES:
             choices = ", ".join(CALIBRATED_SCORES)
             raise ValueError(f"calibrated_score must be one of {choices}, not {self.calibrated_score!r}")
@@ -278,7 +289,7 @@ def _divide(a: float, b: float) -> float:
 def score_sequence(losses, config: DetectorConfig | None = None) -> Scores:
     """Score every token of one request's losses (in step order). NaN losses (no target) are neither
     tested nor part of any window; their rows come back untested."""
-    config = config or DetectorConfig()
+    config = config or DetectorConfig(detector="both")
     losses = np.asarray(losses, dtype=np.float64)
     finite = np.isfinite(losses)
     inner = _score(np.empty(0), losses[finite], 0, config)
@@ -304,6 +315,8 @@ class DetectorCounters:
     seconds: float = 0.0  # CPU time spent scoring
     warmup: int = 0  # calibrated: token steps not tested, their reference still too small
     requests_flagged: int = 0  # calibrated: requests Benjamini-Hochberg flagged (at their first discovery)
+    aftermath: int = 0  # calibrated: tokens in a flag's aftermath, untested unless they stand out (no rows)
+    consequences: int = 0  # calibrated: of those, the ones its score alone would have flagged
 
 
 @dataclass
@@ -311,6 +324,7 @@ class _Open:
     history: np.ndarray  # the last `window` finite losses
     seen: int = 0  # finite losses seen so far
     tests: RequestTests | None = None  # calibrated: the request's p-values for its BH verdict
+    last_flag: int = -(1 << 62)  # calibrated: the step of the request's last flagged token
 
 
 TINY_BATCH = 4  # up to this many steps a batch is scored in Python floats (`_score_scalar`)
@@ -463,12 +477,15 @@ class StreamingDetector:
         forced = np.fromiter((k in self._forced_open for k in keys), bool, len(keys))
         variant = np.where(forced[group[finite]], FORCED, GENERATED)
         position = np.asarray(steps["position"], np.int64)[finite]
-        relative = None
-        if self.config.calibrated_score == "relative":
-            relative = self._relative_z(group, step, loss, first, keys)[finite]
+        z = None
+        if self.config.calibrated_score == "relative" or self.config.aftermath:
+            z = self._relative_z(group, step, loss, first, keys)[finite]
+        relative = z if self.config.calibrated_score == "relative" else None
         before = self.calibrated.counters.warmup
         scores = self.calibrated.score(pid[finite], variant, position, loss[finite], relative)
         self.counters.warmup += self.calibrated.counters.warmup - before
+        if self.config.aftermath:
+            self._aftermath(scores, z, group[finite], step[finite], keys)
         if not self.config.windowed:
             self.counters.tested += int(np.count_nonzero(~np.isnan(scores.p)))
         # each request's BH verdict over its tested p-values (the few requests of a poll, or a pass)
@@ -500,7 +517,8 @@ class StreamingDetector:
                 "p_value": float(scores.p[j]),
                 "alarm_rate": self.config.alarm_rate,
                 "reference_n": int(scores.reference_n[j]),
-                "score": KIND_NAMES[int(scores.relative[j])],
+                "score": KIND_NAMES[int(scores.relative[j])],  # the p-value's score (combined: which side)
+                "calibrated_score": self.config.calibrated_score,
                 "z": float(relative[j]) if scores.relative[j] else None,  # relative is set
                 "reference": f"{VARIANT_NAMES[int(variant[j])]}/bucket {int(scores.bucket[j])}",
                 "request_tested": tests.tested if tests else 0,
@@ -511,12 +529,54 @@ class StreamingDetector:
                              detail, now_ns, keys[g])  # fmt: skip
         return rows
 
+    def _aftermath(self, scores: CalibratedScores, z: np.ndarray, group, step, keys) -> None:
+        """Leave a flagged token's aftermath untested: the next `aftermath` tokens of its request read the
+        flagged token as context, and a garbage token in the context raises the loss of what follows
+        it (the flag before them already reports it). One is flagged only if its loss also stands out
+        within its request: its `mad` z above `aftermath_z`, whose window (median, MAD) the one spike
+        does not move. Whether a token is in an aftermath depends only on the tokens before it, so the
+        tested ones' p-values stay uniform on clean traffic: the false-alarm rate per tested token is
+        still the budget (fewer tokens are tested: about alarm_rate x aftermath of them fewer)."""
+        if len(step) <= TINY_BATCH and not scores.flagged.any():  # a slow target's poll: Python ints
+            for j in np.flatnonzero(~np.isnan(scores.p)).tolist():
+                state = self._state(keys[int(group[j])])
+                if 0 < step[j] - state.last_flag <= self.config.aftermath:
+                    scores.p[j] = np.nan
+                    self.counters.aftermath += 1
+            return
+        state_of = {}
+        flags: dict[int, list[int]] = {}  # group -> the flag steps (its last before this batch first)
+        for j in sorted(np.flatnonzero(scores.flagged).tolist(), key=lambda j: (int(group[j]), int(step[j]))):
+            g = int(group[j])
+            state = state_of.get(g) or state_of.setdefault(g, self._state(keys[g]))
+            if 0 < step[j] - state.last_flag <= self.config.aftermath and not z[j] > self.config.aftermath_z:
+                scores.flagged[j] = False
+                self.counters.consequences += 1
+                continue
+            flags.setdefault(g, [state.last_flag]).append(int(step[j]))
+            state.last_flag = int(step[j])
+        tested = ~np.isnan(scores.p)
+        for g in np.unique(group[tested]).tolist():
+            members = np.flatnonzero(tested & (group == g))
+            if g not in flags:
+                state = state_of.get(g) or self._state(keys[g])
+                flags[g] = [state.last_flag]
+            marks = np.asarray(flags[g], np.int64)  # ascending: the last flag before, then this batch's
+            steps = step[members]
+            before = marks[np.maximum(np.searchsorted(marks, steps, side="left") - 1, 0)]
+            inside = (steps - before > 0) & (steps - before <= self.config.aftermath)
+            after = members[inside & ~scores.flagged[members]]
+            scores.p[after] = np.nan
+            self.counters.aftermath += len(after)
+
     def _relative_z(self, group, step, loss, first, keys) -> np.ndarray:
         """Each step's request-relative score for the calibrated detector: the MAD detector's modified z
         of its loss against its request's preceding window (NaN: fewer than min_history finite losses
         before it, or a NaN loss). The windowed detectors, when enabled, keep the requests' windows
         (they run after this); alone, the calibrated detector keeps them here."""
         z = np.full(len(loss), np.nan)
+        if len(loss) <= TINY_BATCH and not self.config.windowed:  # a slow target's poll: Python floats
+            return self._relative_z_tiny(z, group, step, loss, keys)
         order = np.lexsort((step, group))  # by request, then step (stable: a pass's rows keep their order)
         order = order[np.isfinite(loss[order])]
         if not len(order):
@@ -530,6 +590,27 @@ class StreamingDetector:
             z[order[tested]] = scores
         if not self.config.windowed:
             commit()
+        return z
+
+    def _relative_z_tiny(self, z, group, step, loss, keys) -> np.ndarray:
+        """`_relative_z` for a few steps, in Python floats: the same windows, the MAD detector's z as
+        `_score_scalar` computes it (bit for bit `_robust_z`'s), and the same open state after it."""
+        w, c = self.config.window, self.config
+        for i in sorted(range(len(loss)), key=lambda i: (int(group[i]), int(step[i]))):
+            value = float(loss[i])
+            if not math.isfinite(value):
+                continue
+            state = self._state(keys[int(group[i])])
+            window = state.history[-w:].tolist()
+            n = len(window)
+            if state.seen >= c.min_history and n >= 2:
+                ordered = sorted(window)
+                median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2.0
+                spread = sorted(abs(v - median) for v in window)
+                mad = (spread[(n - 1) // 2] + spread[n // 2]) / 2.0
+                z[i] = _divide(MAD_TO_Z * (value - median), max(mad, c.min_sd * MAD_TO_Z))
+            state.history = np.array([*window, value][-w:], dtype=np.float64)
+            state.seen += 1
         return z
 
     def _small_groups(self, pid, traces, step_seq, step, batch_row):
@@ -749,4 +830,5 @@ def config_of(values) -> DetectorConfig | None:
         mad_threshold=values.get("detector.mad_threshold", defaults.mad_threshold),
         alarm_rate=values.get("detector.alarm_rate", defaults.alarm_rate),
         fdr=values.get("detector.fdr", defaults.fdr),
+        aftermath=values.get("detector.aftermath", defaults.aftermath),
     )

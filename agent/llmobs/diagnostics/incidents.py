@@ -18,9 +18,9 @@ row is committed with its incident in one transaction:
   batches would page on every batch); they are linked to the pass's incident when it has one.
 
 An incident is `open` while more rows may join it and `closed` once the process's scored passes are past
-last_seq + gap (or the pipeline closed); a closed incident is final. Open ones are rewritten as they
-grow: the lane upserts the changed incidents of each commit (INSERT ... ON CONFLICT (incident_id) DO
-UPDATE: one statement, each incident once per commit, and only this thread writes the table).
+last_seq + gap (or the pipeline closed); a closed incident is final. The lane writes an incident when it
+closes (INSERT, once), and an open one only once it has been open OPEN_WRITE_NS (then again at most
+that often while it grows, and at its close: UPDATE); only the lane's thread writes the table.
 
 `incident_id` is `<pid>-<first_seq>-<batch_row>` (`-pass` for a pass incident): a pass has one token of
 each row, so no two incidents share it. `peak_score` is the highest score of its rows; detectors' scores
@@ -72,6 +72,7 @@ class Incident:
     closed_ns: int | None = None
     artifact: str | None = None
     written: bool = field(default=False, repr=False)  # its row is in the store: later changes UPDATE it
+    written_ns: int = field(default=0, repr=False)  # when its row was last written
     _steps: set = field(default_factory=set, repr=False)  # flagged token keys seen (dedup across detectors)
 
     def row(self) -> dict:
@@ -221,12 +222,31 @@ class IncidentBuilder:
         self._dirty[incident.incident_id] = incident
         self.counters.closed += 1
 
-    def take_changed(self) -> tuple[list[dict], list[dict]]:
+    def ready(self, now_ns: int, open_every_ns: int | None = None) -> bool:
+        """Whether `take_changed(now_ns, open_every_ns)` has anything to give."""
+        if self._retry:
+            return True
+        return any(self._due(incident, now_ns, open_every_ns) for incident in self._dirty.values())
+
+    @staticmethod
+    def _due(incident: Incident, now_ns: int, open_every_ns: int | None) -> bool:
+        if incident.state == "closed" or open_every_ns is None:
+            return True
+        return now_ns - max(incident.ts_ns, incident.written_ns) >= open_every_ns
+
+    def take_changed(
+        self, now_ns: int = 0, open_every_ns: int | None = None
+    ) -> tuple[list[dict], list[dict]]:
         """The incidents opened, grown or closed since the last call, each once, as rows: (new: never
         written, to INSERT; updated: written before, to UPDATE), with those of a failed write (`restore`)
-        not changed since."""
-        changed, self._dirty = self._dirty, {}
+        not changed since. With `open_every_ns`, an open incident is taken only once it has been open
+        (or unwritten) that long: a closed incident is final and written once, where rewriting a growing
+        one at every commit cost a statement each time; a long one still shows while it lasts."""
         retry, self._retry = self._retry, {}
+        changed: dict[str, Incident] = {}
+        for incident_id, incident in list(self._dirty.items()):
+            if self._due(incident, now_ns, open_every_ns):
+                changed[incident_id] = self._dirty.pop(incident_id)
         new: dict[str, dict] = {}
         updated: dict[str, dict] = {}
         for incident_id, (row, written) in retry.items():
@@ -237,7 +257,7 @@ class IncidentBuilder:
                 new[incident_id] = row
             else:
                 updated[incident_id] = row
-            incident.written = True
+            incident.written, incident.written_ns = True, now_ns
         return list(new.values()), list(updated.values())
 
     def restore(self, new: list[dict], updated: list[dict] = ()) -> None:

@@ -12,6 +12,10 @@ For each stream (kind, layer, head) sampled on the step (pid, step_seq, trace_id
 A fault in a layer propagates downstream: every later layer's stream may deviate too, some even more
 once the residual stream has grown. So among the streams scoring at least UPSTREAM_SHARE of the best,
 the earliest layer is the candidate (ties by score); the evidence lists the runners-up.
+
+When the store holds a replay of the step (llmobs-agent replay, issue 17), its full per-head streams
+come first: the target pass's robust z of every (layer, head) against the replayed window's other passes
+(llmobs.diagnostics.replay.replay_root_cause); the sampled streams above are the fallback.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ def _baselines(conn, pid: int, step_seq: int) -> dict[tuple[int, int, int], np.n
 def root_cause(conn, pid: int, step_seq: int, trace_id: str | None = None) -> RootCause | None:
     """The module most likely behind the step's anomaly, or None when the step has no layer streams,
     no baseline, or nothing deviates (robust z < MIN_Z)."""
+    replayed = _from_replay(conn, pid, step_seq, trace_id)
+    if replayed is not None:
+        return replayed
     params = {"pid": pid, "seq": step_seq, "trace": trace_id}
     rows = conn.execute(
         "SELECT kind, layer, head, avg(value) FROM layer_streams WHERE pid = $pid AND step_seq = $seq"
@@ -117,3 +124,69 @@ def root_cause(conn, pid: int, step_seq: int, trace_id: str | None = None) -> Ro
             evidence.append(f"also deviating: {other[2]} {kind_name(other[1][0])} z {other[4]:+.1f}, "
                             f"score {other[0]:.1f}")  # fmt: skip
     return RootCause(name, float(score), evidence, kind, layer, head, float(z), r)
+
+
+def _from_replay(conn, pid: int, step_seq: int, trace_id: str | None) -> RootCause | None:
+    """The candidate from the newest ok replay of the step's full per-head streams; None: no replay
+    (or a store from before replays), or nothing in it deviates."""
+    import duckdb
+
+    from llmobs.diagnostics import replay
+
+    try:
+        found = conn.execute(
+            """SELECT r.replay_id, s.pass FROM replays r JOIN replay_steps s
+                   ON s.replay_id = r.replay_id AND s.repeat = 0 AND s.step_seq = r.target_step_seq
+               WHERE r.pid = $pid AND r.target_step_seq = $seq AND r.status = 'ok'
+                 AND ($trace IS NULL OR r.trace_id = $trace)
+               ORDER BY r.ts_ns DESC LIMIT 1""",
+            {"pid": pid, "seq": step_seq, "trace": trace_id},
+        ).fetchall()
+    except duckdb.Error:
+        return None
+    if not found:
+        return None
+    replay_id, target = found[0]
+    rows = conn.execute(
+        "SELECT pass, layer, head, attn_entropy, mlp_var FROM replay_layers"
+        " WHERE replay_id = ? AND repeat = 0",
+        [replay_id],
+    ).fetchnumpy()
+    if not len(rows["pass"]):
+        return None
+    passes, layers = int(rows["pass"].max()) + 1, int(rows["layer"].max()) + 1
+    heads = max(int(rows["head"].max()) + 1, 1)
+    attn = np.full((1, passes, layers, heads), np.nan)
+    mlp = np.full((1, passes, layers), np.nan)
+    p, la, h = rows["pass"].astype(int), rows["layer"].astype(int), rows["head"].astype(int)
+    with_head = h >= 0
+    attn[0, p[with_head], la[with_head], h[with_head]] = _floats(rows["attn_entropy"])[with_head]
+    mlp[0, p, la] = _floats(rows["mlp_var"])
+    arrays = {"attn_entropy": attn, "mlp_var": mlp, "loss": np.zeros((1, passes))}
+    best = replay.replay_root_cause(arrays, int(target))
+    if best is None:
+        return None
+    name = _module_name(conn, pid, best.kind, best.layer, best.head)
+    evidence = [
+        f"{name}: {kind_name(best.kind)} {best.value:.6g} on the replayed step vs median {best.median:.6g}"
+        f" of the replayed window's other {best.others} passes (MAD {best.mad:.3g}): robust z {best.z:+.1f}",
+        f"from replay {replay_id}: the full per-head streams of the window, recomputed in the workload",
+    ]
+    for kind, layer, head, z in best.runners_up:
+        evidence.append(f"also deviating: {fallback_module(layer, kind, head)} z {z:+.1f}")
+    return RootCause(name, abs(best.z), evidence, best.kind, best.layer, best.head, best.z, None)
+
+
+def _floats(values) -> np.ndarray:
+    """A fetched FLOAT column as float64 with NULL as NaN (fetchnumpy gives a masked array for NULLs)."""
+    return np.ma.filled(np.ma.asarray(values, dtype=np.float64), np.nan)
+
+
+def _module_name(conn, pid: int, kind: int, layer: int, head: int) -> str:
+    rows = conn.execute(
+        "SELECT module FROM layer_modules WHERE pid = ? AND kind = ? AND layer = ? LIMIT 1",
+        [pid, kind, layer],
+    ).fetchall()
+    if not rows:
+        return fallback_module(layer, kind, head)
+    return rows[0][0] + (f" head {head}" if head >= 0 else "")

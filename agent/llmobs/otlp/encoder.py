@@ -94,6 +94,15 @@ INCIDENT_ATTRIBUTES = (
     ("peak_kind", "llmobs.incident.peak_kind"), ("peak_step", "llmobs.incident.peak_step"),
     ("detectors", "llmobs.incident.detectors"), ("artifact", "llmobs.incident.artifact"),
 )  # fmt: skip
+# One event per replay of a token step (llmobs-agent replay, --replay-on-anomaly; docs/replay.md) on the
+# step's span, at the step's end: replays column -> llmobs.replay attribute.
+REPLAY_EVENT_NAME = "llmobs.replay"
+REPLAY_ATTRIBUTES = (
+    ("replay_id", "llmobs.replay.id"), ("verdict", "llmobs.replay.verdict"),
+    ("first_diverging_layer", "llmobs.replay.first_diverging_layer"), ("cause", "llmobs.replay.cause"),
+    ("op_graph_hash", "llmobs.replay.op_graph_hash"), ("loss_diff", "llmobs.replay.loss_diff"),
+    ("trigger", "llmobs.replay.trigger"),
+)  # fmt: skip
 # anomalies column -> llmobs.anomaly event attribute (detail: the detector's numbers as JSON)
 ANOMALY_ATTRIBUTES = (
     ("kind", "llmobs.anomaly.kind"),
@@ -637,6 +646,9 @@ class TraceEncoder:
         if batch.anomalies:
             by_trace, by_pass = owners.dicts()
             self._add_anomalies(span, batch.anomalies, by_trace, by_pass, n, end_wall)
+        if batch.replays:
+            by_trace, _by_pass = owners.dicts()
+            self._add_replays(span, batch.replays, by_trace, n, end_wall)
         return dropped
 
     def _add_anomalies(self, span, anomalies, by_trace, by_pass, n, end_wall) -> None:
@@ -658,12 +670,23 @@ class TraceEncoder:
             )
             raw = span_event.SerializeToString()
             per_span.setdefault(index, []).append(_T_SPAN_EVENT + wire.varint_bytes(len(raw)) + raw)
-        if not per_span:
-            return
-        blobs = [b"".join(per_span.get(index, ())) for index in range(n)]
-        lengths = np.array([len(b) for b in blobs], dtype=np.int64)
-        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        span.add(np.frombuffer(b"".join(blobs), np.uint8), starts, lengths)
+        _add_events(span, per_span, n)
+
+    def _add_replays(self, span, replays, by_trace, n, end_wall) -> None:
+        """llmobs.replay events on the replayed token step's own span (its trace's row of the pass)."""
+        per_span: dict[int, list[bytes]] = {}
+        for replay in replays:
+            index = by_trace.get((replay["pid"], replay["step_seq"], replay["trace_id"]))
+            if index is None:
+                continue
+            span_event = Span.Event()
+            span_event.time_unix_nano = int(end_wall[index])
+            span_event.name = REPLAY_EVENT_NAME
+            for column, name in REPLAY_ATTRIBUTES:
+                set_attribute(span_event.attributes, name, replay[column])
+            raw = span_event.SerializeToString()
+            per_span.setdefault(index, []).append(_T_SPAN_EVENT + wire.varint_bytes(len(raw)) + raw)
+        _add_events(span, per_span, n)
 
     # -- request spans ---------------------------------------------------------------------------------
 
@@ -747,3 +770,13 @@ def span_count(request: ExportTraceServiceRequest | EncodedTraces) -> int:
     if isinstance(request, EncodedTraces):
         return request.spans
     return sum(len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans)
+
+
+def _add_events(span, per_span: dict[int, list[bytes]], n: int) -> None:
+    """Span events (encoded, by span index) into the span column of n token-step spans."""
+    if not per_span:
+        return
+    blobs = [b"".join(per_span.get(index, ())) for index in range(n)]
+    lengths = np.array([len(b) for b in blobs], dtype=np.int64)
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    span.add(np.frombuffer(b"".join(blobs), np.uint8), starts, lengths)

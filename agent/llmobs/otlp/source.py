@@ -179,6 +179,16 @@ FROM gpu_samples g WHERE g.pid IN (SELECT unnest($pids)) AND g.ts_ns BETWEEN $lo
 ORDER BY g.ts_ns
 """
 
+# Replays of the batch's token steps (llmobs.pipeline.replay_ingest): span events named llmobs.replay on the
+# replayed step's span. A replay stored after its step went out is not sent (a span is sent once).
+_BATCH_REPLAYS = """
+SELECT r.pid, r.target_step_seq AS step_seq, r.trace_id, r.target_batch_row AS batch_row, r.replay_id,
+       r.verdict, r.first_diverging_layer, r.cause, printf('%016x', r.op_graph_hash) AS op_graph_hash,
+       r.loss_diff::DOUBLE AS loss_diff, r.trigger
+FROM replays r SEMI JOIN _otlp_passes p ON r.pid = p.pid AND r.target_step_seq = p.step_seq
+ORDER BY r.pid, r.target_step_seq, r.ts_ns
+"""
+
 _BATCH_HAS = """
 SELECT EXISTS (SELECT 1 FROM gpu_ops WHERE source = 'cupti' AND ts_ns BETWEEN $lo AND $hi),
        EXISTS (SELECT 1 FROM anomalies WHERE ts_ns >= $lo), {samples}
@@ -211,6 +221,7 @@ class StepBatch:
     advance: dict[int, tuple[int, int, int, int, int]] = field(default_factory=dict)  # pid -> cursor row
     served: list[dict] = field(default_factory=list)  # request_events 'end' rows: their spans (otlp.served)
     unfinished: list[dict] = field(default_factory=list)  # served requests without an end row (final flush)
+    replays: list[dict] = field(default_factory=list)  # replays of the batch's token steps (llmobs.replay)
     _rows: list[dict] | None = field(default=None, repr=False)
 
     @property
@@ -252,6 +263,7 @@ class StepBatch:
             self.advance,
             [r for r in self.served if kept(r["trace_id"] or "")],
             [r for r in self.unfinished if kept(r["trace_id"] or "")],
+            [r for r in self.replays if kept(r["trace_id"] or "")],
         )
 
 
@@ -285,6 +297,11 @@ class ExportCursor:
         self._has_gpu_samples = bool(  # a store older than schema 6 has no NVML samples
             conn.execute(
                 "SELECT count(*) FROM information_schema.tables WHERE table_name = 'gpu_samples'"
+            ).fetchall()[0][0]
+        )
+        self._has_replays = bool(  # a store older than schema 12 has no replays
+            conn.execute(
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = 'replays'"
             ).fetchall()[0][0]
         )
 
@@ -361,6 +378,7 @@ class ExportCursor:
         rollups: dict[tuple[int, int], dict] = {}
         gpu_time: list[dict] = []
         anomalies: list[dict] = []
+        replays: list[dict] = []
         gpu_samples: list[dict] = []
         folded, advance = _fold(table)
         if table.num_rows:
@@ -388,6 +406,8 @@ class ExportCursor:
                     gpu_time = _dicts(conn, _BATCH_GPU_TIME, params)
                 if has_anomalies:
                     anomalies = _dicts(conn, _BATCH_ANOMALIES, {"lo": lo})
+                if self._has_replays:
+                    replays = _dicts(conn, _BATCH_REPLAYS, None)
                 if has_samples:
                     step_pids = sorted(advance)
                     gpu_samples = _dicts(conn, _BATCH_GPU_SAMPLES, {**params, "pids": step_pids})
@@ -421,6 +441,7 @@ class ExportCursor:
             advance,
             served,
             unfinished,
+            replays,
         )
 
     def _closed_requests(

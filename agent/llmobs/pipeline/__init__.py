@@ -6,6 +6,8 @@ journal) -> {correlate, the OTLP follower}.
 - correlate.py: the per-step rollup of events and totals onto token steps
 - leftovers.py: maps of exited processes, ingested once, then removed
 - live.py: LiveStats (the numbers `top` shows) and the snapshot file a running `attach` publishes
+- replay_ingest.py, auto_replay.py: a flight-recorder replay's file into the store with its verdict, and
+  the automatic replays of flagged tokens (docs/replay.md)
 """
 
 from llmobs.pipeline.core import Pipeline, PipelineSummary

@@ -152,6 +152,7 @@ class Pipeline:
         owns_store: bool = False,
         shm: ShmSource | None = None,
         detector: DetectorConfig | None = DetectorConfig(),  # noqa: B008 (frozen: one shared default is fine)
+        replay=None,  # llmobs.pipeline.auto_replay.ReplayOptions: replay flagged tokens (None: off)
     ):
         self.store = store
         self.pid = pid
@@ -202,6 +203,12 @@ class Pipeline:
         self.training = TrainingMonitor(pid, submit, artifacts_dir_for(store.path), self.shm.shm_dir)
         if self.anomalies is not None:
             self.anomalies.pass_progress = self.training.scored_through
+        self.replays = None  # automatic replays of flagged tokens (--replay-on-anomaly)
+        if replay is not None and self.anomalies is not None:
+            from llmobs.pipeline.auto_replay import AutoReplayer
+
+            self.replays = AutoReplayer(store, pid, replay, self.shm.shm_dir, flush=self.writer.flush)
+            self.anomalies.on_committed = self.replays.on_rows
         self._correlator.start()
 
     @classmethod
@@ -458,6 +465,8 @@ class Pipeline:
         self._stop.set()
         self._arrived.set()  # a correlate thread asleep until rows arrive wakes, sees the stop, ends
         self._correlator.join(CLOSE_TIMEOUT_S)
+        if self.replays is not None:  # before the writer closes: a replay's ingest flushes it first
+            self.replays.close(CLOSE_TIMEOUT_S)
         closed = self.sinks.close(CLOSE_TIMEOUT_S)
         if self.sinks.last_error or not closed:
             self.last_error = self.sinks.last_error or "a sink did not finish within its close timeout"
@@ -515,6 +524,8 @@ class Pipeline:
         finally:
             conn.close()
         summary.anomalies = self.anomalies.summary()
+        if self.replays is not None:
+            summary.anomalies += "\n" + self.replays.summary()
 
     def _summary(self) -> PipelineSummary:
         counters = self.writer.counters

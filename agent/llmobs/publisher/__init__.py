@@ -7,6 +7,10 @@ serving.py      continuous batching, engine-neutral: mixed passes of many reques
 hf_serving.py   its transformers adapter (ContinuousBatchingManager; llmobs.serving.instrument_manager)
 device_math.py  the per-token metrics computed on the model's device (loss, entropy, p(target), rank)
 training.py     training mode: the dL/dE device ring and its dump on the agent's command
+recorder.py     the flight recorder: token ids + chunked KV snapshots, CMD_REPLAY on a background thread
+replay_thread.py  which threads run a replay (the live hooks skip them)
+replay.py       the replay engine: replay_window over a model, the result file's arrays (ReplayResult)
+replay_capture.py  its capture, on the replay's thread only (hooks, attention wrapper, op recorder)
 layer_base.py   the shared base of the layer streams; attention.py and layers.py build on it
 attention.py    per-layer attention entropy
 layers.py       MLP output variance and llmobs.LayerStreams (every layer stream under one policy)

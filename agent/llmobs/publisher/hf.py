@@ -10,7 +10,9 @@ Two forward hooks on the model and a wrapper around its `generate`:
 With attention_entropy=AttentionEntropy(every=N) (llmobs.publisher.attention), every N-th forward pass
 also publishes each layer's attention entropy to the map's layer-stream ring; mlp_variance=MlpVariance(N)
 each layer's MLP output variance, layer_streams=LayerStreams(every=N) both (llmobs.publisher.layers).
-All off by default. training=True (llmobs.publisher.training) keeps dL/dE of training steps on the device.
+All off by default. training=True (llmobs.publisher.training) keeps dL/dE of training steps on the device;
+recorder=llmobs.Recorder(...) (llmobs.publisher.recorder) keeps what a replay of a token step needs.
+The hooks return at once on a replay's thread (replay_thread.in_replay_thread): a replay publishes nothing.
 Hooks never raise into the workload: failures are counted (llmobs.publisher.request.errors).
 """
 
@@ -23,6 +25,7 @@ import time
 import numpy as np
 
 from llmobs.publisher import request as publisher
+from llmobs.publisher.replay_thread import in_replay_thread
 from llmobs.shm import layout
 from llmobs.shm.hashing import trace_id, trace_words
 
@@ -86,7 +89,7 @@ class Instrumented:
     """Handle returned by instrument(); .remove() undoes it."""
 
     def __init__(self, model, model_id: str, labels: bool, measure: bool = False, attention_entropy=None,
-                 mlp_variance=None, layer_streams=None, training=None):  # fmt: skip
+                 mlp_variance=None, layer_streams=None, training=None, recorder=None):  # fmt: skip
         from llmobs.publisher.layers import build_samplers
 
         # self.attention: the attention sampler alone (or None); self.layers drives every layer stream
@@ -96,6 +99,11 @@ class Instrumented:
             from llmobs.publisher.training import TrainingRecorder
 
             self.training = TrainingRecorder.for_model(model, training)
+        self.recorder = None
+        if recorder is not None:
+            from llmobs.publisher import recorder as flight
+
+            self.recorder = flight.install(model, recorder)
         self.model = model
         self.model_id = model_id
         self.labels = labels
@@ -122,6 +130,10 @@ class Instrumented:
             self.layers.abort()
         if self.training is not None:
             self.training.remove()
+        if self.recorder is not None:
+            from llmobs.publisher import recorder as flight
+
+            flight.uninstall(self.recorder)
         for h in self._handles:
             h.remove()
         if self._orig_generate is None:
@@ -164,6 +176,9 @@ class Instrumented:
                         ids, model_id=self.request_model_id(), attention_mask=kwargs.get("attention_mask")
                     )
                     gen = _Generation(req)
+                    if req._recording is not None and self.recorder is not publisher.recorder:
+                        publisher.recorder.discard(req._recording)  # the recorder replays another model
+                        req._recording = None
             except Exception as exc:
                 publisher._count_error(exc)
             if self._measure:
@@ -203,6 +218,8 @@ class Instrumented:
 
     # --- hooks -----------------------------------------------------------------------------------
     def _pre(self, module, args, kwargs):
+        if in_replay_thread():  # the flight recorder's replay: not a token step of the workload
+            return None
         try:
             gen = _generating.get()
             if gen is not None:
@@ -227,10 +244,17 @@ class Instrumented:
         return None
 
     def _post(self, module, args, kwargs, output):
+        if in_replay_thread():
+            return None
         try:
             if self.layers is not None:
                 self.layers.end(publisher.get_writer())
             gen = _generating.get()
+            if self.recorder is not None:
+                req = gen.req if gen is not None else publisher.active_request()
+                if req is not None and req._recording is not None:
+                    ids = _input_ids(args, kwargs)
+                    req._recording.after_forward(output, kwargs, ids.shape[-1] if ids is not None else -1)
             if gen is not None:  # the target-free passes now, while the logits are hot in cache
                 from llmobs.publisher.device_math import prepare
 
@@ -297,6 +321,7 @@ def instrument(
     mlp_variance=None,
     layer_streams=None,
     training=False,
+    recorder=None,
 ) -> Instrumented:
     """Publish every token step of a Hugging Face causal LM (generate() and forward with labels).
 
@@ -308,6 +333,8 @@ def instrument(
     MLP output variance likewise; layer_streams=llmobs.LayerStreams(every=N, attention=True, mlp=True,
     per_head=False) switches both on together. training=True (or llmobs.TrainingOptions) keeps the gradient of
     the loss w.r.t. the input embeddings of every training step in a device ring (llmobs.publisher.training).
+    recorder=llmobs.Recorder(every=256, budget_mb=512, repeats=2) (or True) keeps each request's token ids
+    and chunked KV snapshots so the agent can replay a token step (CMD_REPLAY, llmobs.publisher.recorder).
     Idempotent per model."""
     existing = model.__dict__.get("_llmobs_instrumented")
     if existing is not None:
@@ -320,8 +347,10 @@ def instrument(
     from llmobs.shm.writer import get_writer
 
     get_writer().set_model(model_id)  # the map exists from now on: an agent can attach before any token
+    from llmobs.publisher.recorder import as_recorder
+
     inst = Instrumented(model, model_id, labels, measure, attention_entropy, mlp_variance, layer_streams,
-                        training)  # fmt: skip
+                        training, as_recorder(recorder))  # fmt: skip
     publish_process_context(model_id=model_id)
     from llmobs.cupti import install as install_cupti
 

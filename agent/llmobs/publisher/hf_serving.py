@@ -28,6 +28,7 @@ import collections
 import functools
 
 from llmobs.publisher import request as publisher
+from llmobs.publisher.replay_thread import in_replay_thread
 from llmobs.publisher.serving import Row, ServingAdapter, ServingPublisher
 
 __all__ = ["instrument_manager", "TransformersAdapter", "ServingAdapter", "ServingPublisher", "Row"]
@@ -188,7 +189,7 @@ class TransformersAdapter:
         self.publisher.writer.clear_context()
 
     def _forward_hook(self, module, args, kwargs, output):
-        if self.publisher.current is None:  # not a pass we began (warmup, or another caller's forward)
+        if self.publisher.current is None or in_replay_thread():  # not a pass we began (warmup, a replay)
             return None
         self._logits(kwargs, output)
         return None

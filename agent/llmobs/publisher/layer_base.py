@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmobs.publisher.replay_thread import in_replay_thread
 from llmobs.shm import layout
 from llmobs.shm.names import module_name
 
@@ -36,7 +37,7 @@ class ForwardHookSampler:
     def _install(self, step_seq: int, trace_hi, trace_lo) -> None:
         self._captured = [None] * len(self.modules)
         for i, module in enumerate(self.modules):
-            self._handles.append(module.register_forward_hook(self._hook(i)))
+            self._handles.append(module.register_forward_hook(_live_only(self._hook(i))))
         self._step = (step_seq, trace_hi, trace_lo)
 
     def _hook(self, index: int):
@@ -60,6 +61,16 @@ class ForwardHookSampler:
         import torch
 
         return step, torch.stack(captured)
+
+
+def _live_only(hook):
+    """A capture hook that ignores the flight recorder's replay passes (another thread, same modules)."""
+
+    def live(module, args, output):
+        if not in_replay_thread():
+            hook(module, args, output)
+
+    return live
 
 
 def row_traces(trace_hi, trace_lo, batch: int) -> tuple[np.ndarray, np.ndarray]:

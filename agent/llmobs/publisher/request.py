@@ -33,6 +33,7 @@ _traceparent: contextvars.ContextVar[w3c.TraceParent | None] = contextvars.Conte
     "llmobs_traceparent", default=None
 )
 errors = 0  # steps skipped because publishing failed (the workload went on)
+recorder = None  # the flight recorder (llmobs.publisher.recorder.FlightRecorder) when one is installed
 _warned = False
 
 
@@ -116,6 +117,12 @@ class Request:
         self._t_start = 0
         self._kv_len = -1
         self._token = None
+        self._recording = None  # what the flight recorder keeps of this request (None: no recorder)
+        if recorder is not None:
+            try:
+                self._recording = recorder.open(rows, self.trace_ids, self.batch)
+            except Exception as exc:
+                _count_error(exc)
 
     # --- context-manager use -----------------------------------------------------------------------
     def __enter__(self) -> Request:
@@ -136,6 +143,8 @@ class Request:
             self.writer.clear_context()
             if self.writer._pending or self.writer._pending_layers:
                 self.writer.poll_pending(wait=True)
+        if self._recording is not None:
+            self._recording.end()
         if self.request_seqs.any():
             try:
                 self._publish_ends(layout.FINISH_ERROR if failed else layout.FINISH_UNKNOWN)
@@ -193,6 +202,7 @@ class Request:
         """Publish one token step: logits [B, V] (or [V], or [B, 1, V], or device_math.prepare(logits))
         and the targets [B] if known. `tokens_in_pass`: the tokens each row processed in this forward
         pass (an int or one per row; 0 = unknown), the weights its compute is shared by."""
+        targets = tokens = None
         try:
             from llmobs.publisher.device_math import Prepared, device_block
 
@@ -207,7 +217,8 @@ class Request:
                     logits = logits[:, -1]
                 like = logits
             targets = _as_tensor(target_ids, like)
-            block = device_block(logits, targets, _as_tensor(token_ids, like), all_valid=all_valid)
+            tokens = _as_tensor(token_ids, like)
+            block = device_block(logits, targets, tokens, all_valid=all_valid)
             if targets is not None:
                 flags |= layout.FLAG_HAS_TARGET
             n = block.shape[0]
@@ -233,6 +244,8 @@ class Request:
         except Exception as exc:  # never break the workload
             _count_error(exc)
         finally:
+            if self._recording is not None:  # the token the sequence goes on with: emitted, else target
+                self._recording.token_step(self._step_seq, tokens if tokens is not None else targets)
             self.step_index += 1
             self._step_seq = 0
 

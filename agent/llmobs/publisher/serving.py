@@ -70,6 +70,7 @@ class ServingRequest:
     steps: int = 0  # token steps published: the index of its next one
     prefill_tokens: int = 0
     prefix_hit_tokens: int = 0
+    recording: object = None  # the flight recorder's token ids of it (replayed from the prompt), or None
 
 
 @dataclass
@@ -147,6 +148,8 @@ class ServingPublisher:
             )  # fmt: skip
             req.name_pos = w.names_head
             req.trace_context = context
+            if publisher.recorder is not None:  # token ids only: the engine's paged KV is not snapshotted
+                req.recording = publisher.recorder.open([ids], [f"{hi:016x}{lo:016x}"], 1, per_step_rows=True)
             w.name_trace_context(seq, context)  # before its id and steps: the reader knows it first
             w.name_request(seq, req.request_id)
             self._requests[req.request_id] = req
@@ -294,6 +297,9 @@ class ServingPublisher:
             flags=flags, tokens_in_pass=np.array([p.rows[i].tokens for i in rows], np.int64),
             request_seq=np.array([r.request_seq for r in reqs], np.int64),
         )  # fmt: skip
+        for r, i, token in zip(reqs, rows, chosen, strict=True):
+            if r.recording is not None:
+                r.recording.host_step(p.step_seq, token, batch_row=i, live_batch=len(p.rows))
         for r in reqs:
             r.steps += 1
             r.last_step_seq = p.step_seq
@@ -330,6 +336,8 @@ class ServingPublisher:
                 req = self._requests.pop(str(request_id), None)
             if req is None:
                 return
+            if req.recording is not None:
+                req.recording.end()
             w = self.writer
             if w.names_head - req.name_pos >= w.names_capacity:  # the names ring overwrote its id
                 w.name_trace_context(req.request_seq, req.trace_context)

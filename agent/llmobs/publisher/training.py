@@ -33,8 +33,6 @@ Nothing here raises into the workload: failures are counted in llmobs.publisher.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +41,7 @@ from llmobs.publisher import request as publisher
 from llmobs.shm import layout
 from llmobs.shm import writer as writer_module
 from llmobs.shm.names import dump_path
+from llmobs.shm.sidefile import write_npz_atomically
 
 
 @dataclass(frozen=True)
@@ -136,16 +135,7 @@ class GradientRing:
             "batch": self.batch[slots],
             "seq_len": self.seq_len[slots],
         }
-        tmp = f"{path}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_npz_atomically(path, arrays)
         return len(slots)
 
 

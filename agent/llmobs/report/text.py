@@ -315,11 +315,16 @@ def surprising_section(
     flagged = [row for row in flagged if tuple(row[:4]) in where]
     db_flag = f" --db {db}" if db else ""
     lines = [
-        f"Surprising tokens ({len(flagged)} flagged live by the loss detectors: t-test and median/MAD of "
-        "each token's loss against its request's earlier tokens):"
+        f"Surprising tokens ({len(flagged)} flagged live by the loss detectors: the calibrated one ranks "
+        "each token's loss against the process's earlier tokens; t-test and median/MAD, when selected, "
+        "against its request's earlier tokens):"
     ]
     if not flagged:
-        return [*lines, "  none: no token's loss stood out from its request's earlier tokens"]
+        none = (
+            "  none: no token's loss stood out (the calibrated detector tests a position once its process "
+            "has scored 1 / alarm rate tokens there: a run shorter than that is not tested)"
+        )
+        return [*lines, none]
     for pid, step_seq, trace_id, batch_row, detectors, score, evidence in flagged[:limit]:
         index, request, token = where[(pid, step_seq, trace_id, batch_row)]
         losses = sorted(t.loss for t in request.tokens if not math.isnan(t.loss))

@@ -77,11 +77,36 @@ CMD_NONE = 0
 CMD_PING = 1  # acknowledge only: proves the workload polls its control block
 CMD_COLLECT_CUPTI = 2  # collect CUPTI activity records for cmd_arg token steps
 CMD_DUMP_GRADIENTS = 3  # training: dump dL/dE up to step_seq cmd_arg to <map>.dLdE.<ack_step_seq>.npz
+CMD_REPLAY = 4  # flight recorder: replay a token step's window (cmd_arg: replay_arg) to <map>.replay.<n>.npz
 ACK_OK = 0
 ACK_UNSUPPORTED = 1  # the command is known but nothing in this process can carry it out
 ACK_UNKNOWN_COMMAND = 2
 ACK_NO_GPU = 3
 ACK_BUSY = 4
+ACK_UNKNOWN_REQUEST = 5  # CMD_REPLAY: no request the recorder keeps holds that token step
+
+# CMD_REPLAY's cmd_arg: the token step (its step_seq and batch row) and the window of steps either side
+REPLAY_SEQ_BITS = 40
+REPLAY_ROW_BITS = 12
+REPLAY_WINDOW_BITS = 12
+REPLAY_DEFAULT_WINDOW = 8  # a window field of 0 means this many steps either side
+
+
+def replay_arg(step_seq: int, batch_row: int = 0, window: int = 0) -> int:
+    """Pack CMD_REPLAY's cmd_arg: step_seq in bits 0-39, batch_row in 40-51, window in 52-63."""
+    if not (0 <= step_seq < 1 << REPLAY_SEQ_BITS and 0 <= batch_row < 1 << REPLAY_ROW_BITS
+            and 0 <= window < 1 << REPLAY_WINDOW_BITS):  # fmt: skip
+        raise ValueError(f"replay_arg({step_seq}, {batch_row}, {window}): a field is out of range")
+    return step_seq | batch_row << REPLAY_SEQ_BITS | window << (REPLAY_SEQ_BITS + REPLAY_ROW_BITS)
+
+
+def parse_replay_arg(arg: int) -> tuple[int, int, int]:
+    """(step_seq, batch_row, window) of a CMD_REPLAY cmd_arg; window 0 becomes REPLAY_DEFAULT_WINDOW."""
+    step_seq = arg & ((1 << REPLAY_SEQ_BITS) - 1)
+    batch_row = (arg >> REPLAY_SEQ_BITS) & ((1 << REPLAY_ROW_BITS) - 1)
+    window = arg >> (REPLAY_SEQ_BITS + REPLAY_ROW_BITS)
+    return step_seq, batch_row, window or REPLAY_DEFAULT_WINDOW
+
 
 _TYPES: dict[str, tuple[int, str, str]] = {  # name -> (size, numpy code, C type)
     "u8": (1, "u1", "__u8"),
@@ -464,10 +489,15 @@ C_CONSTANTS: list[tuple[str, int, str]] = [
     ("LLMOBS_CMD_PING", CMD_PING, "control command: acknowledge only"),
     ("LLMOBS_CMD_COLLECT_CUPTI", CMD_COLLECT_CUPTI, "control command: CUPTI for cmd_arg steps"),
     ("LLMOBS_CMD_DUMP_GRADIENTS", CMD_DUMP_GRADIENTS, "control command: dump dL/dE up to step cmd_arg"),
+    ("LLMOBS_CMD_REPLAY", CMD_REPLAY, "control command: replay a token step's window (flight recorder)"),
     ("LLMOBS_ACK_OK", ACK_OK, "acknowledgement status"),
     ("LLMOBS_ACK_UNSUPPORTED", ACK_UNSUPPORTED, "acknowledgement status"),
     ("LLMOBS_ACK_UNKNOWN_COMMAND", ACK_UNKNOWN_COMMAND, "acknowledgement status"),
     ("LLMOBS_ACK_NO_GPU", ACK_NO_GPU, "acknowledgement status"),
     ("LLMOBS_ACK_BUSY", ACK_BUSY, "acknowledgement status"),
+    ("LLMOBS_ACK_UNKNOWN_REQUEST", ACK_UNKNOWN_REQUEST, "acknowledgement status: no such request"),
+    ("LLMOBS_REPLAY_SEQ_BITS", REPLAY_SEQ_BITS, "CMD_REPLAY cmd_arg: bits of step_seq (from bit 0)"),
+    ("LLMOBS_REPLAY_ROW_BITS", REPLAY_ROW_BITS, "CMD_REPLAY cmd_arg: bits of batch_row (next)"),
+    ("LLMOBS_REPLAY_WINDOW_BITS", REPLAY_WINDOW_BITS, "CMD_REPLAY cmd_arg: bits of the window (top)"),
     ("LLMOBS_NAME_TEXT_BYTES", NAME_TEXT_BYTES, "bytes of text in a name record"),
 ]

@@ -3,13 +3,15 @@
 Both sides spell these the same way, so they live here and neither side imports the other for them:
 - a layer-stream module's qualified name, registered in the names ring as a NAME_OTHER record
   `module:<kind>:<layer>:<qualified name>` (the store's `layer_modules` table is folded from them);
-- the dL/dE dump a training workload writes next to its map on CMD_DUMP_GRADIENTS.
+- the dL/dE dump a training workload writes next to its map on CMD_DUMP_GRADIENTS;
+- the replay result the flight recorder writes next to its map on CMD_REPLAY.
 """
 
 from __future__ import annotations
 
 MODULE_NAME_PREFIX = "module:"  # names-ring text of a layer-stream module: module:<kind>:<layer>:<name>
 DUMP_SUFFIX = ".dLdE."  # <map path>.dLdE.<ack_step_seq>.npz
+REPLAY_SUFFIX = ".replay."  # <map path>.replay.<ack_step_seq>.npz
 
 
 def module_name(kind: int, layer: int, qualified_name: str) -> str:
@@ -30,3 +32,8 @@ def parse_module_name(text: str) -> tuple[int, int, str] | None:
 def dump_path(map_path: str, ack_step_seq: int) -> str:
     """The .npz a training workload dumps dL/dE into for the command acknowledged at `ack_step_seq`."""
     return f"{map_path}{DUMP_SUFFIX}{ack_step_seq}.npz"
+
+
+def replay_path(map_path: str, ack_step_seq: int) -> str:
+    """The .npz the flight recorder writes a replay into for the command acknowledged at `ack_step_seq`."""
+    return f"{map_path}{REPLAY_SUFFIX}{ack_step_seq}.npz"

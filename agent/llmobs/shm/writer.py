@@ -319,6 +319,8 @@ class ShmWriter:
             status = layout.ACK_OK
         elif cmd == layout.CMD_COLLECT_CUPTI:
             status = layout.ACK_NO_GPU if not _cuda_available() else layout.ACK_UNSUPPORTED
+        elif cmd == layout.CMD_REPLAY:  # known, but no flight recorder was ever installed here
+            status = layout.ACK_UNSUPPORTED
         else:
             status = layout.ACK_UNKNOWN_COMMAND
         done = 0

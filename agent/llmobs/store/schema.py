@@ -394,8 +394,8 @@ MIGRATIONS: tuple[Migration, ...] = (
         (
             # One row per incident: the anomaly rows of one request within GAP_PASSES passes of each
             # other (scope 'request'), or consecutive flagged teacher-forced/training passes of a process
-            # (scope 'pass'). Written by the anomaly lane in the transaction of its rows; an open
-            # incident is upserted as it grows (ON CONFLICT on the key), a closed one is final. seq
+            # (scope 'pass'). Written by the anomaly lane after its rows: at its close, or once open
+            # for 2 s (then updated as it grows); a closed one is final. seq
             # columns are step_seq (forward passes), step columns token indices within the request.
             """CREATE TABLE incidents (
                 incident_id VARCHAR PRIMARY KEY,
@@ -425,6 +425,97 @@ MIGRATIONS: tuple[Migration, ...] = (
             "ALTER TABLE anomalies ADD COLUMN incident_id VARCHAR",
         ),
     ),
+    Migration(
+        12,
+        "replays: flight-recorder replays of a token step's window (verdict, per pass, layer, head, ops)",
+        (
+            # One row per replay (llmobs.pipeline.replay_ingest; the verdict from llmobs.diagnostics.replay).
+            # The target is a token step: (pid, target_step_seq, target_batch_row), which is token `step`
+            # of the request (pid, trace_id, first_step_seq). replay_id is '<pid>-<target_step_seq>-
+            # <target_batch_row>-<ack_step_seq>' (the command's ack names the file it wrote). ts_ns is when
+            # the agent ingested it (CLOCK_MONOTONIC, retention); t_start_ns/t_end_ns the replay's own run.
+            """CREATE TABLE replays (
+                replay_id VARCHAR PRIMARY KEY,
+                pid INTEGER NOT NULL,
+                trace_id VARCHAR,
+                first_step_seq BIGINT,
+                target_step_seq BIGINT NOT NULL,
+                target_batch_row INTEGER NOT NULL,
+                step INTEGER,
+                window_steps INTEGER,
+                status VARCHAR NOT NULL,
+                reason VARCHAR,
+                source VARCHAR,
+                snapshot_len INTEGER,
+                snapshot_dropped BOOLEAN,
+                model VARCHAR,
+                layers INTEGER,
+                heads INTEGER,
+                repeats INTEGER,
+                live_batch_size INTEGER,
+                verdict VARCHAR,
+                verdict_detail VARCHAR,
+                first_diverging_layer INTEGER,
+                cause VARCHAR,
+                recorded_loss FLOAT,
+                replay_loss FLOAT,
+                loss_diff FLOAT,
+                op_hash UBIGINT,
+                op_graph_hash UBIGINT,
+                linear_calls INTEGER,
+                live_linear_calls BIGINT,
+                root_layer INTEGER,
+                root_head INTEGER,
+                root_z DOUBLE,
+                wall_ms DOUBLE,
+                prefill_ms DOUBLE,
+                t_start_ns BIGINT,
+                t_end_ns BIGINT,
+                trigger VARCHAR,
+                meta VARCHAR,
+                ts_ns BIGINT NOT NULL)""",
+            # One row per replayed pass and repeat: token step `step` of the request, scored by the pass
+            # whose newest position is `position`; top5 as lists, best first.
+            """CREATE TABLE replay_steps (
+                replay_id VARCHAR NOT NULL,
+                repeat SMALLINT NOT NULL,
+                pass INTEGER NOT NULL,
+                step INTEGER,
+                position INTEGER NOT NULL,
+                step_seq BIGINT,
+                loss FLOAT,
+                entropy FLOAT,
+                recorded_loss FLOAT,
+                top5_ids BIGINT[],
+                top5_probs FLOAT[],
+                op_hash UBIGINT,
+                graph_hash UBIGINT,
+                linear_calls INTEGER,
+                ts_ns BIGINT NOT NULL)""",
+            # Per pass, repeat, layer and head: the newest query's attention entropy (nats, NaN where the
+            # model gave none); the layer's MLP output variance and output fingerprint repeat on each of
+            # its heads' rows (head -1 when the model has no heads to report). maxdiff: max |repeat 0 -
+            # repeat 1| of the layer output (repeat 0 rows only).
+            """CREATE TABLE replay_layers (
+                replay_id VARCHAR NOT NULL,
+                repeat SMALLINT NOT NULL,
+                pass INTEGER NOT NULL,
+                step INTEGER,
+                layer SMALLINT NOT NULL,
+                head SMALLINT NOT NULL,
+                attn_entropy FLOAT,
+                mlp_var FLOAT,
+                fingerprint UBIGINT,
+                maxdiff FLOAT,
+                ts_ns BIGINT NOT NULL)""",
+            # The operator sequence of repeat 0's first replayed pass, one op per row in call order.
+            """CREATE TABLE replay_ops (
+                replay_id VARCHAR NOT NULL,
+                seq INTEGER NOT NULL,
+                op VARCHAR NOT NULL,
+                ts_ns BIGINT NOT NULL)""",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -446,6 +537,10 @@ TIME_COLUMN: dict[str, str] = {
     "gpu_samples": "ts_ns",
     "request_events": "t_end_ns",
     "pass_shares": "t_start_ns",
+    "replays": "ts_ns",
+    "replay_steps": "ts_ns",
+    "replay_layers": "ts_ns",
+    "replay_ops": "ts_ns",
     "processes": "last_seen_ns",
 }
 

@@ -40,11 +40,16 @@
 #define LLMOBS_CMD_PING             1                       /* control command: acknowledge only */
 #define LLMOBS_CMD_COLLECT_CUPTI    2                       /* control command: CUPTI for cmd_arg steps */
 #define LLMOBS_CMD_DUMP_GRADIENTS   3                       /* control command: dump dL/dE up to step cmd_arg */
+#define LLMOBS_CMD_REPLAY           4                       /* control command: replay a token step's window (flight recorder) */
 #define LLMOBS_ACK_OK               0                       /* acknowledgement status */
 #define LLMOBS_ACK_UNSUPPORTED      1                       /* acknowledgement status */
 #define LLMOBS_ACK_UNKNOWN_COMMAND  2                       /* acknowledgement status */
 #define LLMOBS_ACK_NO_GPU           3                       /* acknowledgement status */
 #define LLMOBS_ACK_BUSY             4                       /* acknowledgement status */
+#define LLMOBS_ACK_UNKNOWN_REQUEST  5                       /* acknowledgement status: no such request */
+#define LLMOBS_REPLAY_SEQ_BITS      40                      /* CMD_REPLAY cmd_arg: bits of step_seq (from bit 0) */
+#define LLMOBS_REPLAY_ROW_BITS      12                      /* CMD_REPLAY cmd_arg: bits of batch_row (next) */
+#define LLMOBS_REPLAY_WINDOW_BITS   12                      /* CMD_REPLAY cmd_arg: bits of the window (top) */
 #define LLMOBS_NAME_TEXT_BYTES      104                     /* bytes of text in a name record */
 
 /* The map header at offset 0. `magic` is written last at creation, so a reader never sees a half header. */

@@ -1,0 +1,236 @@
+"""What the flight recorder (llmobs.Recorder, llmobs.publisher.recorder) costs the workload, side by side
+in one run.
+
+    .venv/bin/python -m bench.recorder_cost [--model smollm2|tiny] [--prompt 300] [--tokens 32]
+                                            [--rounds 4] [--window 8] [--json PATH]
+
+1. Decode step: generate() of --tokens tokens after a --prompt-token prompt, instrument() alone vs
+   instrument(recorder=Recorder(every=256)), rounds interleaved. Per decode step: the wall time (from
+   one pass's start to the next's, the prefill excluded), and the CPU time spent in llmobs' hooks
+   (measure=True), whose difference is the recorder's per-step work (the token id's device copy, the
+   step_seq, the cache-length check); that work is also timed directly, as is the KV snapshot:
+   a 256-position chunk is cloned once per 256 positions (here at the prefill, the prompt being longer),
+   so its cost per decode step is chunk / 256. The target: recorder per step <= 1% of a decode step.
+2. Live tokens/s while a replay runs: generate() alone vs generate() during a replay of a 2*window+1
+   step window (from the nearest snapshot) of the previous round's request on the `llmobs-replay`
+   thread (CMD_REPLAY through the real control block, acknowledged at the generate's first step).
+   tokens/s counts only the live steps that ran while the replay was running (each step's start is
+   stamped by a forward pre-hook on the live thread), so a replay that ends early does not dilute it.
+torch runs one intra-op thread (both threads share the machine's cores as a server's would).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+from bench.harness import Arm, Report, add_json_option
+
+RECORDER_EVERY = 256
+
+
+def _prompt(tokenizer, n: int):
+    import torch
+
+    text = "The history of the city is long, and its people remember every street by a story. " * 64
+    ids = tokenizer([text], return_tensors="pt")["input_ids"][:, :n]
+    if ids.shape[1] < n:
+        raise SystemExit(f"error: the prompt text has only {ids.shape[1]} tokens\nhint: use --prompt <= that")
+    return ids.to(torch.long)
+
+
+def _generate(model, ids, tokens: int) -> None:
+    import torch
+
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
+                       min_new_tokens=tokens, do_sample=False, pad_token_id=0)  # fmt: skip
+
+
+def bench_decode(args, model, model_id, ids, report: Report) -> None:
+    import llmobs
+    from llmobs.publisher import recorder as flight
+
+    chunk_ns: list[int] = []  # CPU time of each KV snapshot (its clone()s), on the live thread
+    original = flight.Recording._snapshot
+
+    def timed_snapshot(self, cache, length):
+        t0 = time.thread_time_ns()
+        original(self, cache, length)
+        chunk_ns.append(time.thread_time_ns() - t0)
+
+    flight.Recording._snapshot = timed_snapshot
+    # the recorder's per-step calls timed directly too (CPU, this thread): less noisy than a difference
+    direct_ns, calls = [0], [0]
+    originals = {name: getattr(flight.Recording, name) for name in ("token_step", "after_forward")}
+
+    def timed(fn):
+        def wrapped(self, *a):
+            t0, chunks = time.thread_time_ns(), sum(chunk_ns)
+            fn(self, *a)
+            direct_ns[0] += time.thread_time_ns() - t0 - (sum(chunk_ns) - chunks)
+            calls[0] += fn is originals["token_step"]
+
+        return wrapped
+
+    for name, fn in originals.items():
+        setattr(flight.Recording, name, timed(fn))
+    steps = args.tokens
+    starts: list[int] = []
+
+    def stamp(module, args_):
+        starts.append(time.perf_counter_ns())
+
+    def arm(with_recorder: bool):
+        def run(ctx) -> dict[str, float]:
+            rec = llmobs.Recorder(every=RECORDER_EVERY) if with_recorder else None
+            inst = llmobs.instrument(model, model_id=model_id, measure=True, recorder=rec)
+            handle = model.register_forward_pre_hook(stamp)  # after llmobs' own: every pass's start
+            starts.clear()
+            chunks_before = sum(chunk_ns)
+            try:
+                _generate(model, ids, steps)
+            finally:
+                handle.remove()
+                inst.remove()
+            decode = [(b - a) / 1e6 for a, b in zip(starts[1:], starts[2:], strict=False)]  # prefill excluded
+            hooks = inst.cpu_ns - (sum(chunk_ns) - chunks_before)  # the snapshot is counted on its own
+            return {
+                "ms per decode step": sum(decode) / len(decode),
+                "hook CPU us per step": hooks / steps / 1e3,
+            }
+
+        return run
+
+    arms = [Arm("instrument() alone", arm(False)), Arm(f"+ Recorder(every={RECORDER_EVERY})", arm(True))]
+    title = (f"[decode step, model={args.model}, prompt {ids.shape[1]} tokens, {steps} steps/round, "
+             f"rounds={args.rounds}]")  # fmt: skip
+    made = report.compare(
+        title, arms, args.rounds, warmup=1, metrics=["ms per decode step", "hook CPU us per step"]
+    )
+    flight.Recording._snapshot = original
+    for name, fn in originals.items():
+        setattr(flight.Recording, name, fn)
+    step_ms = made.median(arms[0].name, "ms per decode step")
+    added_us = made.median(arms[1].name, "hook CPU us per step") - made.median(
+        arms[0].name, "hook CPU us per step"
+    )
+    chunk_ms = (sorted(chunk_ns)[len(chunk_ns) // 2] / 1e6) if chunk_ns else float("nan")
+    direct_us = direct_ns[0] / max(calls[0], 1) / 1e3
+    amortised_us = chunk_ms * 1e3 / RECORDER_EVERY
+    per_step_us = direct_us + amortised_us
+    share = per_step_us / (step_ms * 1e3) * 100
+    report.note(f"  recorder hook CPU per decode step: {added_us:.1f} us (median difference of the arms), "
+                f"{direct_us:.1f} us (its calls timed directly, {calls[0]} steps)")  # fmt: skip
+    report.note(f"  KV snapshot chunk of {RECORDER_EVERY} positions: {chunk_ms:.2f} ms CPU (median of "
+                f"{len(chunk_ns)}), {amortised_us:.1f} us per decode step amortised")  # fmt: skip
+    report.note(f"  recorder per decode step (direct + amortised chunk) {per_step_us:.1f} us = "
+                f"{share:.3f}% of a {step_ms:.2f} ms decode step (target <= 1%)")  # fmt: skip
+
+
+def bench_live_during_replay(args, model, model_id, ids, report: Report) -> None:
+    import llmobs
+    from llmobs.publisher.replay import in_replay_thread
+    from llmobs.shm import layout
+    from llmobs.shm import writer as writer_module
+    from llmobs.shm.control import ControlClient
+
+    inst = llmobs.instrument(
+        model, model_id=model_id, recorder=llmobs.Recorder(every=RECORDER_EVERY, repeats=2)
+    )
+    rec = inst.recorder
+    stamps: list[tuple[int, bool]] = []
+
+    def stamp(module, args_, kwargs):
+        if not in_replay_thread():
+            stamps.append((time.perf_counter_ns(), rec.busy))
+
+    handle = model.register_forward_pre_hook(stamp, with_kwargs=True)
+    client = ControlClient(os.getpid(), os.path.dirname(writer_module.get_writer().path))
+    replay_ms: list[float] = []
+    _generate(model, ids, args.tokens)  # a recorded request to replay (and warm-up)
+
+    def arm(with_replay: bool):
+        def run(ctx) -> dict[str, float] | None:
+            stamps.clear()
+            if with_replay:
+                last = list(rec._recordings.values())[-1]
+                target = int(last.step_seq[last.n - 1 - args.window])  # a window near its end
+                seq = client.post(layout.CMD_REPLAY, layout.replay_arg(target, 0, args.window))
+            _generate(model, ids, args.tokens)
+            if with_replay:
+                ack = client.ack()
+                if ack["ack_seq"] != seq or ack["ack_status"] != layout.ACK_OK:
+                    raise RuntimeError(f"CMD_REPLAY was not acknowledged OK: {ack}")
+                rec.wait_idle(600)
+                replay_ms.append(_wall_ms(rec.last_result))
+            chosen = [t for t, busy in stamps if busy] if with_replay else [t for t, _ in stamps]
+            if len(chosen) < 3:
+                return {"live tokens/s": float("nan"), "steps measured": len(chosen)}
+            return {"live tokens/s": (len(chosen) - 1) / ((chosen[-1] - chosen[0]) / 1e9),
+                    "steps measured": len(chosen)}  # fmt: skip
+
+        return run
+
+    arms = [Arm("generate() alone", arm(False)), Arm("generate() while a replay runs", arm(True))]
+    title = (f"[live decode during a replay, window +-{args.window} from a snapshot, repeats 2, "
+             f"{args.tokens} tokens/round, rounds={args.rounds}]")  # fmt: skip
+    report.compare(title, arms, args.rounds, metrics=["live tokens/s", "steps measured"],
+                   better={"live tokens/s": "higher"})  # fmt: skip
+    if replay_ms:
+        report.note(
+            f"  replay wall (median of {len(replay_ms)}): {sorted(replay_ms)[len(replay_ms) // 2]:.0f} ms"
+        )
+    handle.remove()
+    client.close()
+    inst.remove()
+
+
+def _wall_ms(path: str | None) -> float:
+    import json
+
+    import numpy as np
+
+    if path is None or not os.path.exists(path):
+        return float("nan")
+    with np.load(path) as z:
+        meta = json.loads(str(z["meta"][()]))
+    os.unlink(path)
+    if meta.get("status") != "ok":
+        raise RuntimeError(f"the replay failed: {meta.get('reason')}")
+    return float(meta.get("wall_ms", float("nan")))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=["tiny", "smollm2"], default="smollm2")
+    p.add_argument("--prompt", type=int, default=300, help="prompt tokens (> 256: one snapshot chunk)")
+    p.add_argument("--tokens", type=int, default=32, help="decode steps per round")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--window", type=int, default=8, help="replayed steps either side of the target")
+    add_json_option(p)
+    args = p.parse_args()
+    if args.tokens <= 2 * args.window + 1:
+        p.error("--tokens must exceed 2 * --window + 1 (the replayed window lies inside one request)")
+    import torch
+    from llmobs.shm import writer as writer_module
+    from llmobs.workloads.models import load_model
+
+    torch.set_num_threads(1)
+    writer_module.configure(shm_dir=tempfile.mkdtemp())
+    model, tokenizer, model_id = load_model(args.model)
+    ids = _prompt(tokenizer, args.prompt)
+    report = Report("recorder_cost", args)
+    report.note(
+        f"torch threads 1, {os.cpu_count()} CPUs; every number below is from interleaved samples of this run"
+    )
+    bench_decode(args, model, model_id, ids, report)
+    bench_live_during_replay(args, model, model_id, ids, report)
+    report.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
