@@ -60,19 +60,79 @@ def tiny_gpt2():
     return GPT2LMHeadModel(config)
 
 
+def converted_dir() -> str:
+    """Where the SmolLM2 GGUF is kept converted (save_pretrained: config, safetensors, tokenizer): one
+    directory per GGUF file (path, size, mtime) and transformers version. Reading the GGUF costs ~40 s
+    here (transformers parses its 440k metadata fields three times, for the config, the tokenizer and the
+    weights, and de-quantizes); the converted copy loads in a few seconds, with the same fp32 weights."""
+    import hashlib
+
+    import transformers
+
+    directory, gguf = smollm2_gguf()
+    path = os.path.join(directory, gguf)
+    stat = os.stat(path)
+    key = f"{path}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    stem = os.path.splitext(gguf)[0]
+    return os.path.join(root, "llmobs", "models", f"{stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+
+
+def _keep_converted(model, tokenizer, target: str) -> None:
+    """Save the converted model and tokenizer to `target`: into a private temporary directory, renamed
+    into place whole (a concurrent loader sees all of it or nothing). Any failure: nothing kept."""
+    import shutil
+    import tempfile
+
+    try:
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".converting-", dir=os.path.dirname(target))
+    except OSError:
+        return
+    try:
+        import json
+
+        from safetensors.torch import save_model
+
+        # not model.save_pretrained: a model loaded from GGUF refuses it (its quantizer marks it
+        # unserializable), though its weights are de-quantized fp32 by now
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f)
+        model.generation_config.save_pretrained(tmp)
+        save_model(model, os.path.join(tmp, "model.safetensors"))  # the tied lm_head once
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except Exception:  # a full disk, a read-only home, another process first: the GGUF is still there
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _smollm2_tokenizer(source: str | None):
+    from transformers import AutoTokenizer
+
+    if source is not None:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    else:
+        directory, gguf = smollm2_gguf()
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def _converted_or_none() -> str | None:
+    target = converted_dir()
+    return target if os.path.isfile(os.path.join(target, "config.json")) else None
+
+
 def load_tokenizer(name: str):
     """The tokenizer of `tiny` or `smollm2`, padding on the left as generate() expects."""
     if name == "tiny":
         return ByteTokenizer()
     if name == "smollm2":
-        from transformers import AutoTokenizer
-
-        directory, gguf = smollm2_gguf()
-        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "left"
-        return tokenizer
+        return _smollm2_tokenizer(_converted_or_none())
     raise SystemExit(f"error: unknown model {name!r} (choose tiny or smollm2)")
 
 
@@ -81,11 +141,17 @@ def load_model(name: str, seed: int = 0):
     import torch
 
     torch.manual_seed(seed)
-    tokenizer = load_tokenizer(name)
-    if name == "tiny":
+    if name != "smollm2":
+        tokenizer = load_tokenizer(name)
         return tiny_gpt2().eval(), tokenizer, MODEL_IDS[name]
     from transformers import AutoModelForCausalLM
 
-    directory, gguf = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32).eval()
+    converted = _converted_or_none()
+    tokenizer = _smollm2_tokenizer(converted)
+    if converted is not None:
+        model = AutoModelForCausalLM.from_pretrained(converted, dtype=torch.float32).eval()
+    else:
+        directory, gguf = smollm2_gguf()
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf, dtype=torch.float32).eval()
+        _keep_converted(model, tokenizer, converted_dir())
     return model, tokenizer, MODEL_IDS[name]
