@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "instrument": ("llmobs.publisher.hf", "instrument"),
+    # llmobs.shadow(primary, shadow, variant=...): another model scores the primary's tokens (docs/compare.md)
+    "shadow": ("llmobs.publisher.shadow", "shadow"),
     "request": ("llmobs.publisher.request", "request"),
     "context": ("llmobs.publisher.request", "context"),
     "AttentionEntropy": ("llmobs.publisher.attention", "AttentionEntropy"),

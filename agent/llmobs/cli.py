@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("llmobs.commands.demo", "run SmolLM2 under the agent; per-token report, trace, plot"),
     "explain": ("llmobs.commands.explain", "one token step: loss, detector verdicts, evidence, root cause"),
     "replay": ("llmobs.commands.replay", "replay a token step in the live workload: reproduced or drift"),
+    "compare": ("llmobs.commands.compare", "two variants on the same traffic: per metric, with intervals"),
+    "mirror": ("llmobs.commands.mirror", "mirror HTTP traffic: the primary answers, a shadow gets a copy"),
     "run": ("llmobs.commands.run", "the host daemon: discover, attach, store and export (systemd service)"),
 }
 

@@ -29,6 +29,10 @@ class ExitCode:
     NO_RECORDER = 16  # `replay`: the workload runs without a flight recorder (llmobs.Recorder)
     REPLAY_TIMEOUT = 17  # `replay`: the replay was accepted but its result did not appear in time
     REPLAY_FAILED = 18  # `replay`: the workload could not replay (prompt gone, replay raised): stored
+    NO_MATCH = 19  # `compare`: a selector matches no request in its store
+    NO_PAIRS = 20  # `compare`: both selectors match requests, but no request of A pairs with one of B
+    MIRROR_LISTEN = 22  # `mirror`: cannot listen on --listen (the port is in use, or not ours to bind)
+    PRIMARY_UNREACHABLE = 23  # `mirror`: --primary accepts no connection at start
 
 
 class LlmobsError(Exception):
@@ -123,6 +127,32 @@ class ReplayTimeout(LlmobsError):
 class ReplayFailed(LlmobsError):
     exit_code = ExitCode.REPLAY_FAILED
     default_hint = 'the reason is stored with the replay: llmobs-agent query "SELECT * FROM replays"'
+
+
+class NoMatch(LlmobsError):
+    exit_code = ExitCode.NO_MATCH
+    default_hint = (
+        'list what the store holds: llmobs-agent query "SELECT key, value, count(*) FROM request_labels'
+        ' GROUP BY ALL" (selectors: docs/compare.md)'
+    )
+
+
+class NoPairs(LlmobsError):
+    exit_code = ExitCode.NO_PAIRS
+    default_hint = (
+        "pairs need the same prompt (trace id / prompt hash) or shadow scoring on both sides; "
+        "--by-intent pairs paraphrases by their intent fingerprint (docs/compare.md)"
+    )
+
+
+class MirrorListenFailed(LlmobsError):
+    exit_code = ExitCode.MIRROR_LISTEN
+    default_hint = "choose another --listen port (HOST:0 picks a free one and prints it)"
+
+
+class PrimaryUnreachable(LlmobsError):
+    exit_code = ExitCode.PRIMARY_UNREACHABLE
+    default_hint = "start the primary server first, or fix --primary (every client request goes there)"
 
 
 class UsageError(LlmobsError):

@@ -23,10 +23,10 @@ from bench.held_server import HeldServer, in_the_map  # noqa: E402
 SERVER = ("--model", "tiny", "--threads", "1")
 
 
-@pytest.fixture(scope="module")
-def server():
-    with HeldServer(*SERVER) as srv:
-        yield srv
+@pytest.fixture
+def server(tiny_server):
+    """The session's tiny server (tests/e2e/conftest.py), shared with test_mirror."""
+    return tiny_server
 
 
 def _client(server):

@@ -387,3 +387,45 @@ def test_attach_takes_the_same_detector_flags():
     assert chosen.enabled == ("calibrated", "ttest", "mad") and chosen.alarm_rate == 1e-4
     with pytest.raises(ValueError, match="detector.alarm_rate"):
         config("--alarm-rate", "0")
+
+
+def test_the_scalar_path_of_tiny_polls_gives_exactly_the_vector_paths_results(monkeypatch):
+    """Polls of at most SCALAR_BATCH tokens take a Python-float path: on the same mixed stream (two
+    processes, both variants, raw and relative scores, every position bucket, a burst that trips the
+    hold-out guard, one reference evicted) it gives the vectorised path's p-values, verdicts, counters
+    and references exactly."""
+    from llmobs.diagnostics import conformal
+
+    rng = np.random.default_rng(7)
+    polls = []
+    for k in range(4000):
+        n = int(rng.choice([1, 1, 2, 3, 4, 9]))
+        loss = rng.lognormal(0.5, 1.0, n)
+        relative = np.where(rng.random(n) < 0.5, rng.standard_t(3, n), np.nan)
+        if 3000 <= k < 3300:  # a burst: the flag rate passes the guard, flagged tokens are held out
+            loss, relative = loss + 40.0, relative + 40.0
+        pid = rng.integers(1, 3, n) if k < 3900 else np.full(n, 3)  # a third process evicts references
+        polls.append((pid, rng.integers(0, 2, n), rng.integers(0, 700, n), loss, relative))
+
+    def run(scalar_batch: int):
+        monkeypatch.setattr(conformal, "SCALAR_BATCH", scalar_batch)
+        scorer = ConformalScorer(alarm_rate=0.01, max_references=32, seed=3)
+        out = [scorer.score(*poll) for poll in polls]
+        return scorer, out
+
+    tiny = conformal.SCALAR_BATCH
+    assert tiny >= 4  # the polls above are tiny ones, with a few larger among them
+    vector, expected = run(0)
+    scalar, got = run(tiny)
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_array_equal(a.p, b.p)
+        for field in ("flagged", "reference_n", "bucket", "relative"):
+            assert getattr(a, field).dtype == getattr(b, field).dtype
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+    assert vector.counters == scalar.counters
+    assert vector.counters.held_out > 0 and vector.counters.evicted > 0 and vector.counters.flagged > 0
+    assert list(vector._references) == list(scalar._references)
+    for key, ref in vector._references.items():
+        np.testing.assert_array_equal(ref.counts, scalar._references[key].counts)
+        assert ref.total == scalar._references[key].total
+    assert vector._flag_rate == scalar._flag_rate

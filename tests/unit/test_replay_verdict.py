@@ -257,7 +257,7 @@ def test_migration_12_upgrades_a_store_at_11(tmp_path):
 
     conn = duckdb.connect(str(tmp_path / "old.duckdb"))
     schema.migrate(conn, target=11)
-    assert schema.migrate(conn) == [12] and schema.current_version(conn) == schema.LATEST_VERSION == 12
+    assert schema.migrate(conn, target=12) == [12] and schema.current_version(conn) == 12
     assert list(schema.table_columns(conn, "replay_ops")) == ["replay_id", "seq", "op", "ts_ns"]
     conn.close()
 

@@ -6,6 +6,7 @@ never fails the request."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -111,3 +112,39 @@ def test_a_failing_context_still_serves():
     status, seen = _get(_app(broken), [(b"x-llmobs-tenant", b"acme"), (b"traceparent", GOOD.encode())])
     assert status == 200
     assert seen == {"traceparent": GOOD, "tenant": None, "session": None}
+
+
+def _recording_app(**server):
+    """The app with an `enter` that records what each request was labelled with (not the publisher's:
+    the variant and labels reach llmobs.context through it; their validation is the publisher's)."""
+    seen: list[dict] = []
+
+    def enter(tenant, session, traceparent, variant=None, labels=None):
+        seen.append({"tenant": tenant, "variant": variant, "labels": labels})
+        return contextlib.nullcontext()
+
+    app = _app(enter)
+    app.user_middleware[0].kwargs.update(
+        server
+    )  # the RequestContext's own variant/labels (--variant, --label)
+    return app, seen
+
+
+@pytest.mark.filterwarnings("ignore:llmobs serve")
+def test_variant_and_labels_from_the_server_and_the_headers():
+    app, seen = _recording_app(variant="base", labels={"template": "v1", "region": "eu"})
+    before = dict(serve.stats)
+    _get(app, [])
+    _get(app, [(b"x-llmobs-variant", b"qlora-r8"), (b"x-llmobs-labels", b" template=v3 , lang=de")])
+    _get(app, [(b"x-llmobs-labels", b"template"), (b"x-llmobs-tenant", b"acme")])  # malformed: ignored
+    assert seen == [
+        {"tenant": None, "variant": "base", "labels": {"template": "v1", "region": "eu"}},
+        {"tenant": None, "variant": "qlora-r8", "labels": {"template": "v3", "region": "eu", "lang": "de"}},
+        {"tenant": "acme", "variant": "base", "labels": {"template": "v1", "region": "eu"}},
+    ]
+    assert serve.stats["malformed_label"] == before["malformed_label"] + 1
+
+
+@pytest.mark.parametrize("text", ["a", "a=", "=b", "a=1,a=2", "a=1,,b=2", "k=" + "v" * 1100])
+def test_malformed_labels_header(text):
+    assert serve.parse_labels(text) is None

@@ -161,7 +161,47 @@ def explain(conn, request: dict, step_index: int) -> dict:
     report["layers"] = _layers(conn, step)
     report["root_cause"] = _root_cause(conn, step)
     report["replay"] = _replay(conn, step)
+    report["factors"] = _factors(conn, step)
     return report
+
+
+FACTOR_MIN_REQUESTS = 20  # fewer: the matrix has too little to rank by; the section says so
+FACTOR_RESAMPLES = 200  # explain needs the ranking, not tight intervals: kept cheap
+
+
+def _factors(conn, step: dict) -> dict | None:
+    """The request's levels of the factors the attribution matrix (loss only) ranks highest; None when
+    the store has no labels or factors at all (an older store, or none were set)."""
+    from llmobs.diagnostics import attribution
+
+    try:
+        labelled = conn.execute(
+            "SELECT (SELECT count(*) FROM request_labels) + (SELECT count(*) FROM model_factors)"
+        ).fetchall()[0][0]
+        seq = conn.execute(
+            "SELECT request_seq FROM token_steps WHERE pid = ? AND step_seq = ? AND trace_id = ?"
+            " AND coalesce(batch_row, 0) = ? AND step = ? LIMIT 1",
+            [step["pid"], step["step_seq"], step["trace_id"], step["batch_row"] or 0, step["step"]],
+        ).fetchall()
+    except duckdb.Error:  # a store from before migration 13
+        return None
+    if not labelled:
+        return None
+    request_seq = int(seq[0][0] or 0) if seq else 0
+    key = (step["pid"], -request_seq if request_seq else step["step_seq"] - (step["step"] or 0))
+    result = attribution.attribution(conn, "loss", resamples=FACTOR_RESAMPLES, keep_levels=True)
+    mine = result.levels_of.get(key, {})
+    if result.requests < FACTOR_MIN_REQUESTS:
+        return {"skipped": f"{result.requests} requests with a loss (the matrix needs {FACTOR_MIN_REQUESTS})",
+                "levels": mine}  # fmt: skip
+    top = []
+    for f in result.factors[:3]:
+        names = f.factor.split(" = ")  # aliased factors: each one's level (quant=int4, variant=q4)
+        level = ", ".join(f"{n}={mine[n]}" for n in names if n in mine) or None
+        top.append({"rank": f.rank, "factor": f.factor, "level": level, "contrast_level": f.level,
+                    "reference": f.reference, "effect": f.effect, "ci": f.ci, "significant": f.significant,
+                    "note": f.note})  # fmt: skip
+    return {"requests": result.requests, "resamples": FACTOR_RESAMPLES, "top": top, "levels": mine}
 
 
 def _median(values: np.ndarray) -> float | None:
@@ -377,6 +417,7 @@ def print_report(report: dict, out=None) -> None:
     else:
         w("layer streams of this step: none (not sampled)\n")
     _print_replay(report.get("replay"), w)
+    _print_factors(report.get("factors"), w)
     rc = report["root_cause"]
     if rc is None:
         w("root cause: no candidate\n")
@@ -401,6 +442,24 @@ def _print_replay(replay: dict | None, w) -> None:
       f"op graph {r['op_graph_hash'] or '-'}\n")  # fmt: skip
     if r["verdict_detail"]:
         w(f"  {r['verdict_detail']}\n")
+
+
+def _print_factors(factors: dict | None, w) -> None:
+    if factors is None:
+        return  # no labels or factors in the store: nothing to say
+    if "skipped" in factors:
+        levels = ", ".join(f"{k}={v}" for k, v in sorted(factors["levels"].items()))
+        w(f"factors: {levels or '-'} (attribution matrix skipped: {factors['skipped']})\n")
+        return
+    w(f"factors of this request, as the attribution matrix ranks them (loss, {factors['requests']} requests,"
+      f" {factors['resamples']} resamples; llmobs-agent query --attribution):\n")  # fmt: skip
+    for f in factors["top"]:
+        if f["effect"] is None:
+            w(f"  {f['rank']}. {f['level'] or f['factor']}: {f['note']}\n")
+            continue
+        ci = "" if f["ci"] is None else f" [{f['ci'][0]:+.3f}, {f['ci'][1]:+.3f}]"
+        w(f"  {f['rank']}. {f['level'] or f['factor']}: {f['contrast_level']} vs {f['reference']} "
+          f"{f['effect']:+.3f} nats{ci}{'' if f['significant'] else ' (not significant)'}\n")  # fmt: skip
 
 
 def _print_incident(incident: dict | None, w) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 import duckdb
@@ -16,6 +17,8 @@ EXAMPLES = """examples:
   llmobs-agent query --slowest-steps -n 10 --tenant acme
   llmobs-agent query --by-tenant --format csv
   llmobs-agent query --anomaly-correlation
+  llmobs-agent query --by-intent --format json
+  llmobs-agent query --attribution --metric loss
   llmobs-agent query "SELECT tenant, count(*) FROM token_steps GROUP BY tenant"
 """
 USAGE_HINT = "llmobs-agent query --help lists the canned views; SQL goes in one quoted argument"
@@ -38,6 +41,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     views_group.add_argument("--by-session", action="store_true", help="the same per (tenant, session)")
     views_group.add_argument(
         "--anomaly-correlation", action="store_true", help="layer streams vs loss anomalies"
+    )
+    views_group.add_argument(
+        "--by-intent",
+        action="store_true",
+        help="requests clustered by prompt intent (action, format, constraints, shingles; docs/compare.md)",
+    )
+    views_group.add_argument(
+        "--attribution",
+        action="store_true",
+        help="rank factors (labels, variant, model factors, tenant, intent) by effect, with intervals",
+    )
+    parser.add_argument(
+        "--metric",
+        choices=("loss", "anomaly", "latency"),
+        default=None,
+        help="--attribution: per-token loss (default), anomaly rate or latency per token",
     )
     parser.add_argument("-n", "--limit", type=int, default=20, help="rows for --slowest-steps/--top-probes")
     parser.add_argument("--tenant", help="only this tenant (canned views)")
@@ -65,7 +84,10 @@ def _statement(args: argparse.Namespace, version: int) -> tuple[str, dict | None
 def _check_arguments(args: argparse.Namespace) -> None:
     """Argument mistakes are usage errors (exit 2), said before the store is opened: a store error (11)
     would send the caller to look at --db for what is a mistake on the command line."""
-    canned = (args.slowest_steps, args.top_probes, args.by_tenant, args.by_session, args.anomaly_correlation)
+    canned = (args.slowest_steps, args.top_probes, args.by_tenant, args.by_session, args.anomaly_correlation,
+              args.by_intent, args.attribution)  # fmt: skip
+    if args.metric is not None and not args.attribution:
+        raise UsageError("--metric goes with --attribution", hint=USAGE_HINT)
     if args.sql and any(canned):
         raise UsageError("give either SQL or a canned view, not both", hint=USAGE_HINT)
     if not (args.sql or any(canned)):
@@ -86,9 +108,46 @@ def _check_arguments(args: argparse.Namespace) -> None:
         )
 
 
+def _by_intent(store: DuckDBStore, args: argparse.Namespace) -> int:
+    """Intent clusters (llmobs.diagnostics.intent_cluster), one row each."""
+    from llmobs.diagnostics import intent_cluster
+
+    if schema.current_version(store.connection) < 13:
+        raise StoreError("this store predates request intents (schema 13)", hint="run the agent on it once")
+    clusters = intent_cluster.cluster(intent_cluster.load(store.connection))
+    if not clusters:
+        sys.stderr.write(
+            "note: no request intents stored: opt in with llmobs.instrument(model, tokenizer, intent=True)"
+            " or llmobs.context(intent_text=...)\n"
+        )
+    full = args.format == "json"
+    rows = intent_cluster.rows(clusters, full=full)
+    if full:  # lists stay lists in JSON
+        records = [dict(zip(intent_cluster.CLUSTER_COLUMNS, r, strict=True)) for r in rows]
+        sys.stdout.write(json.dumps(records, indent=1) + "\n")
+    else:
+        sys.stdout.write(RENDERERS[args.format](intent_cluster.CLUSTER_COLUMNS, rows))
+    return 0
+
+
+def _attribution(store: DuckDBStore, args: argparse.Namespace) -> int:
+    """The attribution matrix (llmobs.diagnostics.attribution): factors ranked, then interactions."""
+    from llmobs.diagnostics import attribution
+
+    result = attribution.attribution(store.connection, args.metric or "loss")
+    if args.format == "table":
+        sys.stdout.write(attribution.summary(result) + "\n")
+    sys.stdout.write(RENDERERS[args.format](attribution.COLUMNS, attribution.rows(result)))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     _check_arguments(args)
     with DuckDBStore(args.db or default_db_path(), read_only=True) as store:
+        if args.by_intent:
+            return _by_intent(store, args)
+        if args.attribution:
+            return _attribution(store, args)
         sql, params = _statement(args, schema.current_version(store.connection))
         try:
             result = (

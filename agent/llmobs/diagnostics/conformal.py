@@ -48,7 +48,10 @@ uniformity: the rate per token stays the budget).
   count and only p-values <= fdr (at most RequestTests.KEPT), which is all BH needs.
 
 All of it is vectorised over a batch: one np.unique over the batch's reference keys, one suffix sum per
-reference used, one bincount per reference updated.
+reference used, one bincount per reference updated. A poll of at most SCALAR_BATCH tokens (a slowly
+stepping generate(): one token a poll) takes a path in Python floats instead, with the same draws, bins
+and arithmetic (its suffix sums equal the cumulative's differences exactly: the counts are multiples
+of 2^-h after h halvings): some twenty numpy calls on one-element arrays cost ~10x the work there.
 """
 
 from __future__ import annotations
@@ -69,12 +72,23 @@ GENERATED, FORCED = 0, 1  # variants
 VARIANT_NAMES = ("generated", "forced")
 RAW, RELATIVE = 0, 1  # score kinds: the raw loss (too little request history), the request-relative z
 KIND_NAMES = ("raw", "relative")
+SCALAR_BATCH = 4  # polls of at most this many tokens take the Python-float path (same results)
 
 
 def bins_of(losses: np.ndarray) -> np.ndarray:
     """Each finite loss's histogram bin (negative losses share bin 0: only a rise is an anomaly)."""
     scaled = np.log1p(np.maximum(losses, 0.0)) * BIN_SCALE
     return np.minimum(scaled, BINS - 1).astype(np.int64)
+
+
+def _loss_bin(loss: float) -> int:
+    """bins_of for one loss (the same float64 arithmetic)."""
+    return int(min(math.log1p(max(loss, 0.0)) * BIN_SCALE, BINS - 1))
+
+
+def _z_bin(z: float) -> int:
+    """z_bins_of for one z (NaN: 0)."""
+    return int(min(max((math.asinh(0.0 if z != z else z) - Z_LOW) * Z_SCALE, 0.0), BINS - 1))
 
 
 def z_bins_of(z: np.ndarray) -> np.ndarray:
@@ -100,6 +114,26 @@ class Reference:
         equal = self.counts[bins]
         above = self.total - self._cumulative[bins]  # count in the bins above
         return (above + uniform * (equal + 1.0)) / (self.total + 1.0)
+
+    def p_value(self, b: int, uniform: float) -> float:
+        """p_values for one score: the counts above by a suffix sum (the cumulative is rebuilt after
+        every add, and a poll of one token would rebuild all BINS of it for one lookup)."""
+        if self._cumulative is not None:
+            above = self.total - float(self._cumulative[b])
+        else:
+            above = float(self.counts[b + 1 :].sum())
+        return (above + uniform * (float(self.counts[b]) + 1.0)) / (self.total + 1.0)
+
+    def add_few(self, bins: list[int], max_count: float) -> None:
+        """add for a few bins, one by one."""
+        self._cumulative = None
+        counts = self.counts
+        for b in bins:
+            counts[b] += 1.0
+        self.total += len(bins)
+        if self.total > max_count:
+            self.counts *= 0.5
+            self.total *= 0.5
 
     def add(self, bins: np.ndarray, max_count: float) -> None:
         if not len(bins):
@@ -156,6 +190,7 @@ class ConformalScorer:
         if max_count < 2 * self.warmup_count:
             raise ValueError(f"max_count {max_count} must be >= 2 x the warm-up ({self.warmup_count})")
         self.buckets = np.asarray(buckets, np.int64)
+        self._edges = tuple(int(b) for b in buckets)
         self.max_references = max_references
         self.max_count = max_count
         self.holdout_factor = holdout_factor
@@ -175,6 +210,9 @@ class ConformalScorer:
         as they were before this batch; then the batch enters the references. A token's score is
         `relative` (its request-relative z) where that is not NaN, else its finite `loss`."""
         n = len(loss)
+        float64 = loss.dtype == np.float64 and (relative is None or relative.dtype == np.float64)
+        if 0 < n <= SCALAR_BATCH and float64:  # the scalar path's arithmetic is float64's
+            return self._score_few(pid, variant, position, loss, relative)
         p = np.full(n, np.nan)
         reference_n = np.zeros(n, np.int64)
         used = np.full(n, -1, np.int64)
@@ -212,6 +250,72 @@ class ConformalScorer:
         if self.learning:
             self._learn(keys, members, bins, tested, flagged)
         return CalibratedScores(p, flagged, reference_n, used, is_relative)
+
+    def _score_few(self, pid, variant, position, loss, relative) -> CalibratedScores:
+        """score() for a poll of at most SCALAR_BATCH tokens, in Python floats: the same uniform draws
+        (one random(n) call), bins, references, p-values, flag-rate guard and learning, token by token."""
+        n = len(loss)
+        uniform = self._rng.random(n).tolist()
+        losses = loss.tolist()
+        zs = relative.tolist() if relative is not None else [math.nan] * n
+        buckets = [bisect.bisect_right(self._edges, at) for at in position.tolist()]
+        streams = (pid.astype(np.int64) * 2 + variant.astype(np.int64)).tolist()
+        p, reference_n, used = [math.nan] * n, [0] * n, [-1] * n
+        is_relative, flagged, bins, keys = [False] * n, [False] * n, [0] * n, [0] * n
+        for i in range(n):
+            kind = int(zs[i] == zs[i])  # a z where there is one, else the raw loss
+            is_relative[i] = bool(kind)
+            bins[i] = _z_bin(zs[i]) if kind else _loss_bin(losses[i])
+            keys[i] = (streams[i] * 2 + kind) * 64 + buckets[i]
+            reference = self._references.get(_unpacked(keys[i]))
+            if reference is None or reference.total < self.warmup_count:
+                continue
+            p[i] = reference.p_value(bins[i], uniform[i])
+            reference_n[i] = int(reference.total)
+            used[i] = buckets[i]
+            flagged[i] = p[i] <= self.alarm_rate
+        n_tested = sum(1 for value in p if value == value)
+        n_flagged = sum(flagged)
+        c = self.counters
+        c.tested += n_tested
+        c.warmup += n - n_tested
+        c.flagged += n_flagged
+        if self.learning:
+            self._learn_few(keys, bins, p, flagged)
+        return CalibratedScores(np.array(p), np.array(flagged, bool), np.array(reference_n, np.int64),
+                                np.array(used, np.int64), np.array(is_relative, bool))  # fmt: skip
+
+    def _learn_few(self, keys: list[int], bins: list[int], p: list[float], flagged: list[bool]) -> None:
+        """_learn for _score_few's tokens: per (pid, variant) stream, in the order of the sorted keys."""
+        order = sorted(range(len(keys)), key=lambda i: keys[i])  # np.unique's order, stable within a key
+        by_stream: dict[int, list[int]] = {}
+        for i in order:
+            by_stream.setdefault(keys[i] // 128, []).append(i)
+        for stream, members in by_stream.items():
+            s_pid, s_variant = divmod(stream, 2)
+            n_tested = sum(1 for i in members if p[i] == p[i])
+            n_flagged = sum(1 for i in members if flagged[i])
+            rate = self._flag_rate.get((s_pid, s_variant), self.alarm_rate)
+            if n_tested:
+                weight = 1.0 - self._decay**n_tested
+                rate = rate * (1.0 - weight) + weight * n_flagged / n_tested
+                self._flag_rate[(s_pid, s_variant)] = rate
+            hold = n_flagged and rate > self.holdout_factor * self.alarm_rate
+            start = 0
+            while start < len(members):  # each key's part, as _learn adds them
+                key = keys[members[start]]
+                end = start
+                while end < len(members) and keys[members[end]] == key:
+                    end += 1
+                part = members[start:end]
+                if hold:
+                    kept = [i for i in part if not flagged[i]]
+                    self.counters.held_out += len(part) - len(kept)
+                    part = kept
+                reference = self._reference(_unpacked(key))
+                if part:
+                    reference.add_few([bins[i] for i in part], self.max_count)
+                start = end
 
     def _learn(self, keys, members, bins, tested, flagged) -> None:
         """The batch into its references, but for flagged tokens of a stream whose recent flag rate is

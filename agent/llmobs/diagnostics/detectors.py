@@ -814,6 +814,25 @@ def _plain(value):
 # ---- settings ----------------------------------------------------------------------------------------
 
 
+def live_traffic(steps: dict) -> dict:
+    """The token-step columns without the shadow rows (llmobs.shadow's teacher-forced scores of another
+    model, the reader's `shadow` column): they are a second opinion on tokens already scored, not
+    traffic, so the detectors never see them (a shadow pass would look like one long request, or one
+    training step). The same dict when there are none."""
+    shadow = steps.get("shadow")
+    if shadow is None:
+        return steps
+    mask = np.asarray(shadow, dtype=bool)
+    if not mask.any():
+        return steps
+    keep = ~mask
+    index = np.flatnonzero(keep).tolist()
+    return {
+        k: v[keep] if isinstance(v, np.ndarray) and v.shape[:1] == mask.shape else [v[i] for i in index]
+        for k, v in steps.items()
+    }
+
+
 def config_of(values) -> DetectorConfig | None:
     """DetectorConfig from detector.* settings ({key: parsed value}; a missing key: its default), None
     for detector.name off. The daemon (its config) and attach (its flags) both build it here."""

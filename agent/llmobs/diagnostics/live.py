@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from llmobs import clock
-from llmobs.diagnostics.detectors import ANOMALY_COLUMNS, DetectorConfig, StreamingDetector
+from llmobs.diagnostics.detectors import ANOMALY_COLUMNS, DetectorConfig, StreamingDetector, live_traffic
 from llmobs.diagnostics.evidence import refresh_evidence
 from llmobs.diagnostics.incidents import INCIDENT_COLUMNS, IncidentBuilder
 from llmobs.stagecpu import STAGES
@@ -97,8 +97,9 @@ class LiveAnomalies:
     def add(self, steps: dict) -> int:
         """Score a batch of token steps (the map reader's columns); queue the anomalies; return how many."""
         try:
-            rows = self.detector.add(steps, clock.monotonic_ns())
             newest = int(np.max(steps["step_seq"])) if len(steps["step_seq"]) else None
+            steps = live_traffic(steps)  # shadow scores are not traffic (detectors.live_traffic)
+            rows = self.detector.add(steps, clock.monotonic_ns()) if len(steps["step_seq"]) else None
         except Exception as exc:  # a detector bug must not stop the data path
             self.counters.last_error = f"detector: {exc}"
             return 0

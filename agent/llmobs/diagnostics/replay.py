@@ -17,8 +17,10 @@ Verdicts, in the order they are decided:
 
 Root cause from the replay's full per-head streams (`replay_root_cause`): the target pass's robust z of
 every (layer, head) attention entropy and every layer's MLP output variance against the window's other
-passes; the stream with the largest |z| names the layer (llmobs.diagnostics.rootcause uses it when the
-store holds a replay of the step).
+passes. A fault propagates downstream, and a later layer's stream often deviates even more once the
+residual stream has grown: so among the streams whose |z| is at least UPSTREAM_SHARE of the largest, the
+earliest layer names the cause (ties by |z|), the rule llmobs.diagnostics.rootcause applies to sampled
+streams; it uses this one when the store holds a replay of the step.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ MAD_TO_Z = 0.6745
 MIN_OTHER_PASSES = 8
 MIN_MAD_REL = 1e-3  # the MAD floor, relative to |median| (a flat stream must not give an infinite z)
 MIN_Z = 3.5  # below this no stream of the replay is unusual enough to name
+UPSTREAM_SHARE = 0.5  # streams within this share of the largest |z| compete on layer order
 KIND_ATTENTION_ENTROPY = 1  # the layer_streams kinds (shm layout LLMOBS_LAYER_*)
 KIND_MLP_VARIANCE = 2
 
@@ -310,11 +313,16 @@ def stream_zs(arrays: dict, target: int, repeat: int = 0) -> list[Stream]:
 
 
 def replay_root_cause(arrays: dict, target: int, repeat: int = 0) -> ReplayRootCause | None:
-    """The stream (kind, layer, head) of the target pass that deviates most from the window's other
-    passes (robust z, |z| >= MIN_Z), or None: too few passes, or nothing deviates."""
+    """The stream (kind, layer, head) of the target pass that names the cause: the earliest layer among
+    those deviating from the window's other passes by at least UPSTREAM_SHARE of the largest robust |z|
+    (and |z| >= MIN_Z); None: too few passes, or nothing deviates. The runners-up follow by |z|."""
     scored = sorted(stream_zs(arrays, target, repeat), key=lambda s: -abs(s[0]))
     if not scored or abs(scored[0][0]) < MIN_Z:
         return None
+    floor = max(MIN_Z, UPSTREAM_SHARE * abs(scored[0][0]))
+    upstream = min((s for s in scored if abs(s[0]) >= floor), key=lambda s: (s[2], -abs(s[0])))
+    scored.remove(upstream)
+    scored.insert(0, upstream)
     z, kind, layer, head, value, median, mad = scored[0]
     others = int(np.isfinite(np.asarray(arrays["loss"][repeat])).sum()) - 1
     runners = tuple((s[1], s[2], s[3], float(s[0])) for s in scored[1:4] if abs(s[0]) >= MIN_Z)

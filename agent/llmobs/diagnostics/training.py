@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from llmobs import clock
-from llmobs.diagnostics.detectors import DetectorConfig, score_sequence
+from llmobs.diagnostics.detectors import DetectorConfig, live_traffic, score_sequence
 from llmobs.shm import layout
 
 KIND = "train_loss_spike"
@@ -145,6 +145,7 @@ class TrainingMonitor:
         """Token-step columns as read from the map; a step is scored once a later step has arrived
         (a step's records are published together but a read may catch half of them)."""
         try:
+            steps = live_traffic(steps)  # a shadow pass is not a training step (detectors.live_traffic)
             parts = step_means(steps) if len(steps["step_seq"]) else []
         except Exception as exc:  # never break the pipeline
             self.last_error = f"training monitor: {exc}"

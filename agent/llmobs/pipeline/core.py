@@ -301,6 +301,9 @@ class Pipeline:
         if events is not None:  # served requests' ends and prefill chunks (map ABI v3)
             self.live.add_request_events(events)  # chunks share their passes in top's per-tenant rates
             self._fan_out({"request_events": events})
+        facts = self.shm.poll_request_facts()  # ended requests' labels and intents, new model factors
+        if facts is not None:
+            self._fan_out(facts)
 
     def _add_layers(self, layers: dict | None) -> None:
         if layers is not None:

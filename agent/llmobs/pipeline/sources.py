@@ -49,6 +49,7 @@ class ShmSource:
         self.cursor = 0
         self.layers_cursor = 0
         self.requests_cursor = 0  # v3 request-events ring
+        self._facts: list[dict[str, dict]] = []  # request_labels / request_intents of ended requests
         self.layer_rows = 0  # layer-stream records returned
         self._modules: set[tuple[int, int, str]] = set()  # layer-stream module names already returned
         self._names_seen = 0  # names of the reader already looked at for module names
@@ -216,7 +217,26 @@ class ShmSource:
         self.requests_cursor = batch.next_cursor
         self.lost += batch.lost
         self.corrupt += batch.corrupt
+        if batch.facts:
+            self._facts.append(batch.facts)
         return batch.columns if len(batch) else None
+
+    def poll_request_facts(self) -> dict | None:
+        """The request_labels / request_intents rows of the requests whose ends the last
+        poll_request_events read, and the model_factors rows new since the last call (the names ring
+        brings them: read by every poll); None when there is nothing."""
+        if self.reader is None:
+            return None
+        out: dict[str, dict] = {}
+        for facts in self._facts:
+            for table, columns in facts.items():
+                out[table] = columns if table not in out else {k: _concat([out[table][k], v])
+                                                               for k, v in columns.items()}  # fmt: skip
+        self._facts = []
+        factors = self.reader.fresh_model_factors(clock.monotonic_ns())
+        if factors is not None:
+            out["model_factors"] = factors
+        return out or None
 
     def drain_layers(self) -> dict | None:
         """Every layer record still unread (for close)."""

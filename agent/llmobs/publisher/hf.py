@@ -13,6 +13,8 @@ each layer's MLP output variance, layer_streams=LayerStreams(every=N) both (llmo
 All off by default. training=True (llmobs.publisher.training) keeps dL/dE of training steps on the device;
 recorder=llmobs.Recorder(...) (llmobs.publisher.recorder) keeps what a replay of a token step needs.
 The hooks return at once on a replay's thread (replay_thread.in_replay_thread): a replay publishes nothing.
+Each request's model has its factors published (llmobs.publisher.factors; factors={...} adds to them);
+intent=True fingerprints each generate() row's decoded prompt (llmobs.publisher.intent).
 Hooks never raise into the workload: failures are counted (llmobs.publisher.request.errors).
 """
 
@@ -24,6 +26,7 @@ import time
 
 import numpy as np
 
+from llmobs.publisher import labels as request_labels
 from llmobs.publisher import request as publisher
 from llmobs.publisher.replay_thread import in_replay_thread
 from llmobs.shm import layout
@@ -89,8 +92,14 @@ class Instrumented:
     """Handle returned by instrument(); .remove() undoes it."""
 
     def __init__(self, model, model_id: str, labels: bool, measure: bool = False, attention_entropy=None,
-                 mlp_variance=None, layer_streams=None, training=None, recorder=None):  # fmt: skip
+                 mlp_variance=None, layer_streams=None, training=None, recorder=None, tokenizer=None,
+                 factors: dict | None = None, intent: bool = False):  # fmt: skip
+        from llmobs.publisher.factors import ModelFactors
         from llmobs.publisher.layers import build_samplers
+
+        self.factors = ModelFactors(model, tokenizer, factors)
+        self.tokenizer = tokenizer
+        self.intent = bool(intent) and tokenizer is not None  # the prompt's text comes from its tokens
 
         # self.attention: the attention sampler alone (or None); self.layers drives every layer stream
         self.attention, self.layers = build_samplers(model, attention_entropy, mlp_variance, layer_streams)
@@ -151,6 +160,32 @@ class Instrumented:
         adapters = active_adapters(self.model)
         return f"{self.model_id}+{','.join(adapters)}" if adapters else self.model_id
 
+    def publish_factors(self, writer, model_hash: int) -> None:
+        """The model's factors (adapters, dtype, quant, tokenizer, vocab, the user's) under `model_hash`:
+        new records only where a value changed or the names ring overwrote it. Never raises."""
+        try:
+            self.factors.publish(writer, model_hash, active_adapters(self.model))
+        except Exception as exc:
+            publisher._count_error(exc)
+
+    def prompt_texts(self, ids, attention_mask) -> list[str] | None:
+        """intent=True: each row's prompt text, decoded by the tokenizer (the last user turn of a chat
+        template where it has one). None when intent is off or llmobs.context gave the text."""
+        if not self.intent or publisher._intent_text.get() is not None:
+            return None
+        try:
+            from llmobs.publisher.intent import user_text
+
+            rows = publisher.prompt_rows(ids, attention_mask)
+            lists = [r.tolist() for r in rows]
+            batch = getattr(self.tokenizer, "batch_decode", None)
+            decoded = (batch(lists, skip_special_tokens=False) if batch is not None
+                       else [self.tokenizer.decode(r, skip_special_tokens=False) for r in lists])  # fmt: skip
+            return [user_text(t, getattr(self.tokenizer, "all_special_tokens", ())) for t in decoded]
+        except Exception as exc:
+            publisher._count_error(exc)
+            return None
+
     def _timed(self, fn):
         def timed(*args):
             t0 = time.thread_time_ns()
@@ -172,9 +207,10 @@ class Instrumented:
                 if ids is None and args:
                     ids = args[0]
                 if ids is not None:
-                    req = publisher.Request(
-                        ids, model_id=self.request_model_id(), attention_mask=kwargs.get("attention_mask")
-                    )
+                    mask = kwargs.get("attention_mask")
+                    req = publisher.Request(ids, model_id=self.request_model_id(), attention_mask=mask,
+                                            intent_text=self.prompt_texts(ids, mask))  # fmt: skip
+                    self.publish_factors(req.writer, req.model_hash)
                     gen = _Generation(req)
                     if req._recording is not None and self.recorder is not publisher.recorder:
                         publisher.recorder.discard(req._recording)  # the recorder replays another model
@@ -209,7 +245,8 @@ class Instrumented:
             try:
                 from llmobs.publisher.hf_serving import instrument_manager
 
-                instrument_manager(manager, model_id=self.request_model_id())
+                adapter = instrument_manager(manager, model_id=self.request_model_id())
+                self.publish_factors(adapter.publisher.writer, adapter.publisher.model_hash)
             except Exception as exc:  # the engine runs on uninstrumented
                 publisher._count_error(exc)
             return manager
@@ -278,16 +315,23 @@ class Instrumented:
         tenant_h = w.name(layout.NAME_TENANT, publisher._tenant.get())
         session_h = w.name(layout.NAME_SESSION, publisher._session.get())
         model_h = w.name(layout.NAME_MODEL, self.request_model_id())
+        self.publish_factors(w, model_h)
+        seqs = None
+        tags = publisher._labels.get()
+        if tags:  # under llmobs.context(variant=/labels=): each row a request of its own, with its labels
+            seqs = [w.next_request_seq() for _ in host]
+            for request_seq in seqs:
+                request_labels.publish(w, request_seq, tags)
         t0 = time.monotonic_ns()
         seq = w.begin_step(words[0][0], words[0][1], tenant_h, session_h)
         if self.layers is not None:
             self.layers.begin(seq, [x[0] for x in words], [x[1] for x in words])
-        self._labels_state.set((seq, t0, ids, labels, words, tenant_h, session_h, model_h))
+        self._labels_state.set((seq, t0, ids, labels, words, tenant_h, session_h, model_h, seqs))
 
     def _publish_labels(self, state, logits) -> None:
         from llmobs.publisher.device_math import device_block
 
-        seq, t0, ids, labels, words, tenant_h, session_h, model_h = state
+        seq, t0, ids, labels, words, tenant_h, session_h, model_h, seqs = state
         b, t, v = logits.shape
         if t < 2:
             return
@@ -306,7 +350,17 @@ class Instrumented:
             position=steps + 1, batch_row=np.repeat(np.arange(b, dtype=np.int64), t - 1),
             kv_len=np.full(n, -1, np.int64), flags=layout.FLAG_TEACHER_FORCED | layout.FLAG_HAS_TARGET,
             tokens_in_pass=1,  # one record per target position: each is one token of the pass
+            request_seq=np.repeat(np.asarray(seqs, np.int64), t - 1) if seqs else 0,
         )  # fmt: skip
+        if seqs:  # a labelled pass's rows end with it: their REQUEST_END records carry the labels out
+            t_end = time.monotonic_ns()
+            for (hi_w, lo_w), request_seq in zip(words, seqs, strict=True):
+                w.publish_request_event(
+                    kind=layout.REQUEST_END, request_seq=request_seq, step_seq=seq, trace_hi=hi_w,
+                    trace_lo=lo_w, tenant_hash=tenant_h, session_hash=session_h, model_hash=model_h,
+                    t_start=t0, t_scheduled=t0, t_first_token=t_end, t_last_token=t_end, t_end=t_end,
+                    prompt_tokens=t, prefill_tokens=t, decoded_tokens=t - 1,
+                )  # fmt: skip
         w.clear_context()
 
 
@@ -322,20 +376,26 @@ def instrument(
     layer_streams=None,
     training=False,
     recorder=None,
+    factors: dict | None = None,
+    intent: bool = False,
 ) -> Instrumented:
     """Publish every token step of a Hugging Face causal LM (generate() and forward with labels).
 
-    model_id defaults to the model's config name_or_path. `tokenizer` is accepted for symmetry with
-    the HF API and used only to name the model when the config has no name. measure=True adds up the
-    CPU time the hooks take in `.cpu_ns` (for benchmarks). attention_entropy=llmobs.AttentionEntropy(every=N,
-    per_head=False) or an int N publishes each layer's attention entropy on every N-th forward pass (off
+    model_id defaults to the model's config name_or_path. `tokenizer` names the model when the config has
+    no name, and gives the tokenizer and vocab factors and intent=True its prompt text. measure=True adds
+    up the CPU time the hooks take in `.cpu_ns` (for benchmarks).
+    attention_entropy=llmobs.AttentionEntropy(every=N, per_head=False) or an int N publishes each layer's
+    attention entropy on every N-th forward pass (off
     by default: nothing is installed). mlp_variance=llmobs.MlpVariance(every=N) (or N) publishes each layer's
     MLP output variance likewise; layer_streams=llmobs.LayerStreams(every=N, attention=True, mlp=True,
     per_head=False) switches both on together. training=True (or llmobs.TrainingOptions) keeps the gradient of
     the loss w.r.t. the input embeddings of every training step in a device ring (llmobs.publisher.training).
     recorder=llmobs.Recorder(every=256, budget_mb=512, repeats=2) (or True) keeps each request's token ids
     and chunked KV snapshots so the agent can replay a token step (CMD_REPLAY, llmobs.publisher.recorder).
-    Idempotent per model."""
+    Each request's model also gets its factors (llmobs.publisher.factors: adapters, dtype, quant,
+    tokenizer, vocab); `factors={"quant": "int4-pc", ...}` adds or overrides them. intent=True (with a
+    `tokenizer`) fingerprints each generate() row's decoded prompt (llmobs.publisher.intent; only ids and
+    hashes are published; llmobs.context(intent_text=...) takes precedence). Idempotent per model."""
     existing = model.__dict__.get("_llmobs_instrumented")
     if existing is not None:
         return existing
@@ -350,7 +410,7 @@ def instrument(
     from llmobs.publisher.recorder import as_recorder
 
     inst = Instrumented(model, model_id, labels, measure, attention_entropy, mlp_variance, layer_streams,
-                        training, as_recorder(recorder))  # fmt: skip
+                        training, as_recorder(recorder), tokenizer, factors, intent)  # fmt: skip
     publish_process_context(model_id=model_id)
     from llmobs.cupti import install as install_cupti
 

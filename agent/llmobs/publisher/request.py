@@ -20,6 +20,7 @@ import warnings
 
 import numpy as np
 
+from llmobs.publisher import labels as request_labels
 from llmobs.publisher import traceparent as w3c
 from llmobs.shm import layout
 from llmobs.shm.hashing import trace_id, trace_words
@@ -32,8 +33,13 @@ _active: contextvars.ContextVar[Request | None] = contextvars.ContextVar("llmobs
 _traceparent: contextvars.ContextVar[w3c.TraceParent | None] = contextvars.ContextVar(
     "llmobs_traceparent", default=None
 )
+# The variant and labels (validated, merged over the outer context's) and the prompt text an intent
+# fingerprint is derived from (llmobs.publisher.intent; the text itself never leaves the process)
+_labels: contextvars.ContextVar[request_labels.Labels] = contextvars.ContextVar("llmobs_labels", default=())
+_intent_text: contextvars.ContextVar[str | None] = contextvars.ContextVar("llmobs_intent_text", default=None)
 errors = 0  # steps skipped because publishing failed (the workload went on)
 recorder = None  # the flight recorder (llmobs.publisher.recorder.FlightRecorder) when one is installed
+shadow_hook = None  # the shadow scorer (llmobs.publisher.shadow) once llmobs.shadow() was called
 _warned = False
 
 
@@ -46,21 +52,42 @@ def _count_error(exc: BaseException) -> None:
 
 
 @contextlib.contextmanager
-def context(tenant: str | None = None, session: str | None = None, traceparent: str | None = None):
+def context(
+    tenant: str | None = None,
+    session: str | None = None,
+    traceparent: str | None = None,
+    *,
+    variant: str | None = None,
+    labels: dict | None = None,
+    intent_text: str | None = None,
+):
     """Set the tenant and session for requests started inside this block (this thread/task only).
 
     `traceparent`: the caller's W3C traceparent; requests started inside carry the caller's trace id and
     their llmobs request span becomes a child of the caller's span. A malformed one is ignored (the
     requests keep their prompt-hash trace id), counted in llmobs.publisher.traceparent.malformed and
-    warned about once; it never raises."""
+    warned about once; it never raises.
+
+    `variant` and `labels` ({key: value}): stored with every request started inside (merged over an
+    outer context's; bad ones dropped and counted, llmobs.publisher.labels). `intent_text`: the user's
+    prompt text, from which each request started inside gets its intent fingerprint (in process; only
+    ids and hashes are published, llmobs.publisher.intent)."""
     t1 = _tenant.set(tenant) if tenant is not None else None
     t2 = _session.set(session) if session is not None else None
     t3 = None
     if traceparent is not None:
         t3 = _traceparent.set(w3c.parse(traceparent))  # malformed: None, i.e. no caller trace in here
+    t4 = None
+    if variant is not None or labels is not None:
+        t4 = _labels.set(request_labels.merge(_labels.get(), variant, labels))
+    t5 = _intent_text.set(intent_text) if intent_text is not None else None
     try:
         yield
     finally:
+        if t5 is not None:
+            _intent_text.reset(t5)
+        if t4 is not None:
+            _labels.reset(t4)
         if t3 is not None:
             _traceparent.reset(t3)
         if t2 is not None:
@@ -88,14 +115,23 @@ class Request:
     """One request (a batch of prompts): its trace ids and the running step index."""
 
     def __init__(self, input_ids, *, tenant=None, session=None, model_id=None, attention_mask=None,
-                 traceparent: str | None = None):  # fmt: skip
+                 traceparent: str | None = None, variant: str | None = None, labels: dict | None = None,
+                 intent_text: str | list[str] | None = None):  # fmt: skip
         self.writer = get_writer()
         rows = prompt_rows(input_ids, attention_mask)
         words = [trace_words(trace_id(r)) for r in rows]
         caller = w3c.parse(traceparent) if traceparent is not None else _traceparent.get()
-        self.request_seqs = np.zeros(len(rows), dtype=np.int64)  # 0: no request record (no caller)
+        self.request_seqs = np.zeros(len(rows), dtype=np.int64)  # 0: no request record
+        self.labels = _labels.get()
+        if variant is not None or labels is not None:
+            self.labels = request_labels.merge(self.labels, variant, labels)
+        intents = _intents(intent_text if intent_text is not None else _intent_text.get(), len(rows))
+        self._tagged = ()  # (request_seq, labels, intent record) to publish again if the ring overwrote them
+        self._name_pos = self.writer.names_head
         if caller is not None:
             words = self._join_caller(caller, words)
+        if self.labels or intents:  # a labelled request is a request of its own: request_seq, REQUEST_END
+            self._tag(intents)
         self.trace_ids = [f"{hi:016x}{lo:016x}" for hi, lo in words]
         self.trace_hi = np.array([w[0] for w in words], dtype=np.uint64)
         self.trace_lo = np.array([w[1] for w in words], dtype=np.uint64)
@@ -123,6 +159,12 @@ class Request:
                 self._recording = recorder.open(rows, self.trace_ids, self.batch)
             except Exception as exc:
                 _count_error(exc)
+        self._shadow = None  # what llmobs.shadow keeps of this request to score it at its end
+        if shadow_hook is not None:
+            try:
+                self._shadow = shadow_hook.open(self, model_id, rows)
+            except Exception as exc:
+                _count_error(exc)
 
     # --- context-manager use -----------------------------------------------------------------------
     def __enter__(self) -> Request:
@@ -145,6 +187,12 @@ class Request:
                 self.writer.poll_pending(wait=True)
         if self._recording is not None:
             self._recording.end()
+        if self._shadow is not None:  # handed to the shadow thread (a bounded queue: never waits)
+            state, self._shadow = self._shadow, None
+            try:
+                state.scorer.ended(self, state, failed)
+            except Exception as exc:
+                _count_error(exc)
         if self.request_seqs.any():
             try:
                 self._publish_ends(layout.FINISH_ERROR if failed else layout.FINISH_UNKNOWN)
@@ -162,8 +210,29 @@ class Request:
             w.name_trace_context(seq, f"{caller.text()} {hi:016x}{lo:016x}")
         return [(caller.trace_hi, caller.trace_lo)] * len(words)
 
+    def _tag(self, intents: list[bytes | None]) -> None:
+        """Each row's labels and intent record, under its request_seq (drawn now if it has none)."""
+        w = self.writer
+        tagged = []
+        for i in range(len(self.request_seqs)):
+            if not self.request_seqs[i]:
+                self.request_seqs[i] = w.next_request_seq()
+            seq = int(self.request_seqs[i])
+            record = intents[i] if intents else None
+            request_labels.publish(w, seq, self.labels)
+            if record is not None:
+                w.name_request_intent(seq, record)
+            tagged.append((seq, record))
+        self._tagged = tuple(tagged)
+
     def _publish_ends(self, reason: int) -> None:
         now = time.monotonic_ns()
+        w = self.writer
+        if self._tagged and w.names_head - self._name_pos >= w.names_capacity:  # overwritten: again
+            for seq, record in self._tagged:
+                request_labels.publish(w, seq, self.labels)
+                if record is not None:
+                    w.name_request_intent(seq, record)
         for i, seq in enumerate(self.request_seqs.tolist()):
             self.writer.publish_request_event(
                 kind=layout.REQUEST_END, request_seq=seq, trace_hi=self._hi_list[i],
@@ -246,6 +315,8 @@ class Request:
         finally:
             if self._recording is not None:  # the token the sequence goes on with: emitted, else target
                 self._recording.token_step(self._step_seq, tokens if tokens is not None else targets)
+            elif self._shadow is not None:  # the recorder keeps them otherwise: the shadow reads its buffer
+                self._shadow.tokens.append(tokens if tokens is not None else targets)
             self.step_index += 1
             self._step_seq = 0
 
@@ -260,10 +331,29 @@ def _as_tensor(values, like):
     return torch.as_tensor(values, device=like.device).reshape(-1)
 
 
+def _intents(text, rows: int) -> list[bytes | None]:
+    """Each row's packed intent fingerprint ([] when there is no text): one text for every row, or one
+    per row. Never raises (a failure is counted: the request goes on without its fingerprint)."""
+    if text is None:
+        return []
+    try:
+        from llmobs.publisher.intent import fingerprint
+
+        texts = [text] * rows if isinstance(text, str) else list(text)[:rows]
+        records = [fingerprint(t).pack() if isinstance(t, str) and t else None for t in texts]
+        return records + [None] * (rows - len(records))
+    except Exception as exc:
+        _count_error(exc)
+        return []
+
+
 def request(input_ids, *, tenant: str | None = None, session: str | None = None, model_id: str | None = None,
-            attention_mask=None, traceparent: str | None = None) -> Request:  # fmt: skip
+            attention_mask=None, traceparent: str | None = None, variant: str | None = None,
+            labels: dict | None = None, intent_text: str | list[str] | None = None) -> Request:  # fmt: skip
     """Start a request: `with llmobs.request(input_ids, tenant="a", session="s1") as req: ...`.
-    `traceparent` (else the one of llmobs.context): the request's rows join the caller's trace."""
+    `traceparent` (else the one of llmobs.context): the request's rows join the caller's trace.
+    `variant`, `labels`: merged over llmobs.context's; `intent_text` (else llmobs.context's): the prompt
+    text its intent fingerprint is derived from (one for all rows or one per row)."""
     return Request(
         input_ids,
         tenant=tenant,
@@ -271,4 +361,7 @@ def request(input_ids, *, tenant: str | None = None, session: str | None = None,
         model_id=model_id,
         attention_mask=attention_mask,
         traceparent=traceparent,
+        variant=variant,
+        labels=labels,
+        intent_text=intent_text,
     )

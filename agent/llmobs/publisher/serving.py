@@ -63,6 +63,8 @@ class ServingRequest:
     t_arrival: int
     name_pos: int = 0  # names-ring position its request id was published at
     trace_context: str = ""  # NAME_TRACE_CONTEXT text when it joined its caller's trace, else ""
+    labels: tuple = ()  # its variant and labels (llmobs.publisher.labels.Labels), from llmobs.context
+    intent: bytes | None = None  # its packed intent fingerprint (llmobs.context(intent_text=...))
     t_scheduled: int = 0
     t_first_token: int = 0
     t_last_token: int = 0
@@ -71,6 +73,7 @@ class ServingRequest:
     prefill_tokens: int = 0
     prefix_hit_tokens: int = 0
     recording: object = None  # the flight recorder's token ids of it (replayed from the prompt), or None
+    shadow: object = None  # what llmobs.shadow keeps of it to score at its end (publisher/shadow.py), or None
 
 
 @dataclass
@@ -117,20 +120,23 @@ class ServingPublisher:
     # --- client side ---------------------------------------------------------------------------------
     def request_arrived(self, request_id: str, prompt_ids, *, tenant: str | None = None,
                         session: str | None = None, t_arrival: int | None = None) -> None:  # fmt: skip
-        """A client added a request. Tenant, session and the caller's traceparent come from
-        llmobs.context() of the calling thread or task (the client's, not the engine's)."""
+        """A client added a request. Tenant, session, the caller's traceparent, the variant and labels and
+        the intent text come from llmobs.context() of the calling thread or task (the client's, not the
+        engine's)."""
         t0 = time.thread_time_ns() if self.measure else 0
         try:
             tenant = tenant if tenant is not None else publisher._tenant.get()
             session = session if session is not None else publisher._session.get()
-            self._register(request_id, prompt_ids, tenant, session, t_arrival, publisher._traceparent.get())
+            intent = publisher._intents(publisher._intent_text.get(), 1)
+            self._register(request_id, prompt_ids, tenant, session, t_arrival, publisher._traceparent.get(),
+                           publisher._labels.get(), intent[0] if intent else None)  # fmt: skip
         except Exception as exc:  # never raise into the client's call
             publisher._count_error(exc)
         if self.measure:
             self.cpu_ns += time.thread_time_ns() - t0
 
-    def _register(self, request_id, prompt_ids, tenant, session, t_arrival=None,
-                  caller=None) -> ServingRequest:  # fmt: skip
+    def _register(self, request_id, prompt_ids, tenant, session, t_arrival=None, caller=None, labels=(),
+                  intent=None) -> ServingRequest:  # fmt: skip
         w = self.writer
         ids = np.asarray(list(prompt_ids), dtype=np.int64)
         hi, lo = trace_words(trace_id(ids))
@@ -148,10 +154,14 @@ class ServingPublisher:
             )  # fmt: skip
             req.name_pos = w.names_head
             req.trace_context = context
+            req.labels, req.intent = labels, intent
             if publisher.recorder is not None:  # token ids only: the engine's paged KV is not snapshotted
                 req.recording = publisher.recorder.open([ids], [f"{hi:016x}{lo:016x}"], 1, per_step_rows=True)
+            if publisher.shadow_hook is not None:
+                req.shadow = publisher.shadow_hook.open_served(self.model_id, ids)
             w.name_trace_context(seq, context)  # before its id and steps: the reader knows it first
             w.name_request(seq, req.request_id)
+            self._tag(req)
             self._requests[req.request_id] = req
             while len(self._requests) > MAX_LIVE_REQUESTS:
                 self._requests.popitem(last=False)
@@ -217,8 +227,9 @@ class ServingPublisher:
         if row.prompt_ids is None:
             return None
         return self._register(
-            row.request_id, row.prompt_ids, publisher._tenant.get(), publisher._session.get()
-        )
+            row.request_id, row.prompt_ids, publisher._tenant.get(), publisher._session.get(),
+            labels=publisher._labels.get(),
+        )  # fmt: skip
 
     def pass_logits(self, logits) -> None:
         """The forward's logits [n, V] (n >= the rows that produce a token, in their order): the
@@ -300,6 +311,8 @@ class ServingPublisher:
         for r, i, token in zip(reqs, rows, chosen, strict=True):
             if r.recording is not None:
                 r.recording.host_step(p.step_seq, token, batch_row=i, live_batch=len(p.rows))
+            elif r.shadow is not None:  # the recorder keeps them otherwise: the shadow reads its ids
+                r.shadow.tokens.append(token)
         for r in reqs:
             r.steps += 1
             r.last_step_seq = p.step_seq
@@ -338,10 +351,13 @@ class ServingPublisher:
                 return
             if req.recording is not None:
                 req.recording.end()
+            if req.shadow is not None:
+                req.shadow.scorer.ended_served(req, reason)  # a bounded queue: never waits
             w = self.writer
             if w.names_head - req.name_pos >= w.names_capacity:  # the names ring overwrote its id
                 w.name_trace_context(req.request_seq, req.trace_context)
                 w.name_request(req.request_seq, req.request_id)
+                self._tag(req)
             w.publish_request_event(
                 kind=layout.REQUEST_END, request_seq=req.request_seq, step_seq=req.last_step_seq,
                 trace_hi=req.trace_hi, trace_lo=req.trace_lo, tenant_hash=req.tenant_hash,
@@ -357,6 +373,12 @@ class ServingPublisher:
         finally:
             if self.measure:
                 self.cpu_ns += time.thread_time_ns() - t0
+
+    def _tag(self, req: ServingRequest) -> None:
+        """Its labels and intent records (NAME_REQUEST_LABEL / NAME_REQUEST_INTENT, hash = request_seq)."""
+        publisher.request_labels.publish(self.writer, req.request_seq, req.labels)
+        if req.intent is not None:
+            self.writer.name_request_intent(req.request_seq, req.intent)
 
     def live_requests(self) -> int:
         return len(self._requests)

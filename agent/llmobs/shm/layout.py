@@ -40,7 +40,14 @@ NAME_REQUEST = 5  # v3: the engine's request id; the record's `hash` word is the
 # W3C version-00 traceparent it arrived with (its parent span id and flags) and the 32-hex prompt-hash
 # trace id it would have had (kept as an attribute so identical prompts still group)
 NAME_TRACE_CONTEXT = 6
-NAME_KIND_MAX = NAME_TRACE_CONTEXT
+# request `hash` (a request_seq) has the label text "key=value" (key 'variant' = its variant); one record
+# per label, published before the request's first step (docs/shm-abi.md, "Request labels")
+NAME_REQUEST_LABEL = 7
+# request `hash` (a request_seq) has the prompt's intent fingerprint (docs/shm-abi.md, "Intent")
+NAME_REQUEST_INTENT = 8
+# model `hash` (the model id's name hash) has the automatic factor "key=value" (dtype, quant, ...)
+NAME_MODEL_FACTOR = 9
+NAME_KIND_MAX = NAME_MODEL_FACTOR
 
 # step record flags
 FLAG_HAS_TARGET = 1 << 0  # target_id, loss, target_prob and target_rank are meaningful
@@ -48,6 +55,7 @@ FLAG_GENERATE = 1 << 1  # decoded by generate(): the target is the token that wa
 FLAG_TEACHER_FORCED = 1 << 2  # a forward pass with labels: the target is the label
 FLAG_DEVICE_CUDA = 1 << 3  # the metrics were computed on a CUDA device and copied asynchronously
 FLAG_PREFILL = 1 << 4  # v3: this pass also processed the prompt (the request's first token, or a chunk)
+FLAG_SHADOW = 1 << 5  # a shadow model's teacher-forced score of a primary request's token (llmobs.shadow)
 
 # context-cell flags (v3, ctx.flags)
 CTX_MIXED = 1 << 0  # the pass carries rows of more than one request: trace id 0, see its token steps
@@ -468,11 +476,15 @@ C_CONSTANTS: list[tuple[str, int, str]] = [
     ("LLMOBS_NAME_OTHER", NAME_OTHER, "name record kind"),
     ("LLMOBS_NAME_REQUEST", NAME_REQUEST, "name record kind: hash is the request_seq"),
     ("LLMOBS_NAME_TRACE_CONTEXT", NAME_TRACE_CONTEXT, "name record kind: request_seq's caller trace"),
+    ("LLMOBS_NAME_REQUEST_LABEL", NAME_REQUEST_LABEL, "name record kind: a label of request_seq"),
+    ("LLMOBS_NAME_REQUEST_INTENT", NAME_REQUEST_INTENT, "name record kind: request_seq's intent"),
+    ("LLMOBS_NAME_MODEL_FACTOR", NAME_MODEL_FACTOR, "name record kind: a factor of model hash"),
     ("LLMOBS_FLAG_HAS_TARGET", FLAG_HAS_TARGET, "step record flag"),
     ("LLMOBS_FLAG_GENERATE", FLAG_GENERATE, "step record flag"),
     ("LLMOBS_FLAG_TEACHER_FORCED", FLAG_TEACHER_FORCED, "step record flag"),
     ("LLMOBS_FLAG_DEVICE_CUDA", FLAG_DEVICE_CUDA, "step record flag"),
     ("LLMOBS_FLAG_PREFILL", FLAG_PREFILL, "step record flag: the pass also processed prompt tokens"),
+    ("LLMOBS_FLAG_SHADOW", FLAG_SHADOW, "step record flag: a shadow model's score of a primary token"),
     ("LLMOBS_CTX_MIXED", CTX_MIXED, "ctx flag: rows of several requests (trace id 0)"),
     ("LLMOBS_CTX_TENANTS_MIXED", CTX_TENANTS_MIXED, "ctx flag: rows of several tenants or sessions"),
     ("LLMOBS_REQUEST_END", REQUEST_END, "request-event kind"),

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmobs.errors import AccessDenied, MalformedMap, NoSuchProcess, NotTracked
-from llmobs.shm import layout
+from llmobs.shm import intent_format, layout
 from llmobs.shm.control import write_reader_tail
 from llmobs.shm.hashing import trace_hex
 from llmobs.shm.identity import ProcessIdentity, process_start_ticks
@@ -32,7 +32,7 @@ _TICKS_AT = layout.HEADER.offsets["writer_start_ticks"]
 MAX_HEAD = 1 << 62  # a head beyond this cannot come from a real writer (and 2*pos+2 would overflow)
 _KNOWN_FLAGS = (
     layout.FLAG_HAS_TARGET | layout.FLAG_GENERATE | layout.FLAG_TEACHER_FORCED | layout.FLAG_DEVICE_CUDA
-    | layout.FLAG_PREFILL
+    | layout.FLAG_PREFILL | layout.FLAG_SHADOW
 )  # fmt: skip
 STEP_COLUMNS = [
     "pid", "step_seq", "trace_id", "step", "position", "token_id", "target_id", "loss", "entropy",
@@ -51,6 +51,14 @@ _REQUEST_KINDS = {layout.REQUEST_END: "end", layout.REQUEST_CHUNK: "chunk"}
 LAYER_COLUMNS = ["pid", "step_seq", "trace_id", "batch_row", "layer", "head", "kind", "value"]
 MAX_LAYER = 1 << 16  # no model has more layers or heads; a larger index is a corrupt record
 MAX_REQUEST_IDS = 1 << 16  # request ids the reader keeps (a request's steps come long before 65k others)
+MAX_LABELS = 8  # labels a request keeps (the workload's own cap, llmobs.publisher.labels)
+MAX_MODEL_FACTORS = 4096  # (model, key) pairs the reader keeps
+_LABEL = re.compile(r"([a-z][a-z0-9_.-]{0,31})=(.+)", re.DOTALL)  # a label or factor record's text
+# the request-keyed tables a request's end brings out of the reader (rows at the end, once per request)
+REQUEST_LABEL_COLUMNS = ["pid", "request_seq", "trace_id", "key", "value", "ts_ns"]
+REQUEST_INTENT_COLUMNS = ["pid", "request_seq", "trace_id", "template_id", "simhash", "minhash", "action",
+                          "output_format", "constraints", "ts_ns"]  # fmt: skip
+MODEL_FACTOR_COLUMNS = ["pid", "model_id", "key", "value", "ts_ns"]
 
 
 class BufferSource:
@@ -222,6 +230,8 @@ class RequestBatch:
     lost: int
     corrupt: int
     next_cursor: int
+    # request_labels / request_intents rows of the requests that ended in this batch (table -> columns)
+    facts: dict[str, dict] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.columns["kind"])
@@ -241,6 +251,13 @@ class MapView:
         # v3: request_seq -> (parent span id hex, trace flags, prompt-hash trace id hex) of a request that
         # joined its caller's trace (NAME_TRACE_CONTEXT)
         self.trace_contexts: dict[int, tuple[str, int, str]] = {}
+        # request_seq -> its labels {key: value} (NAME_REQUEST_LABEL) and its intent (NAME_REQUEST_INTENT),
+        # bounded like the trace contexts; both leave at the request's end (RequestBatch.facts)
+        self.request_labels: dict[int, dict[str, str]] = {}
+        self.request_intents: dict[int, intent_format.Intent] = {}
+        # (model hash, key) -> value (NAME_MODEL_FACTOR); the pairs not handed out yet (fresh_model_factors)
+        self.model_factors: dict[tuple[int, str], str] = {}
+        self._fresh_factors: set[tuple[int, str]] = set()
         self._names_cursor = 0
 
     def refresh(self) -> dict:
@@ -355,7 +372,13 @@ class MapView:
             if length > layout.NAME_TEXT_BYTES or not layout.NAME_TENANT <= kind <= layout.NAME_KIND_MAX:
                 corrupt += 1
                 continue
+            if kind == layout.NAME_REQUEST_INTENT:  # binary: ids and hashes (shm/intent_format.py)
+                corrupt += not self._keep_intent(int(r["hash"]), bytes(r["text"][:length]))
+                continue
             text = bytes(r["text"][:length]).decode("utf-8", "replace")
+            if kind in (layout.NAME_REQUEST_LABEL, layout.NAME_MODEL_FACTOR):  # hash: a request_seq, a model
+                corrupt += not self._keep_label(kind, int(r["hash"]), text)
+                continue
             if kind == layout.NAME_TRACE_CONTEXT:  # keyed by request_seq, like NAME_REQUEST
                 context = _trace_context(text)
                 if context is None:
@@ -374,6 +397,77 @@ class MapView:
             self.name_kinds[int(r["hash"])] = kind
         self._names_cursor = got.next_cursor
         return corrupt
+
+    def _keep_intent(self, request_seq: int, data: bytes) -> bool:
+        intent = intent_format.unpack(data)
+        if intent is None or not request_seq:
+            return False
+        if request_seq not in self.request_intents and len(self.request_intents) >= MAX_REQUEST_IDS:
+            self.request_intents.pop(next(iter(self.request_intents)))
+        self.request_intents[request_seq] = intent
+        return True
+
+    def _keep_label(self, kind: int, h: int, text: str) -> bool:
+        match = _LABEL.fullmatch(text)
+        if match is None or not h:
+            return False
+        key, value = match.groups()
+        if kind == layout.NAME_MODEL_FACTOR:
+            if self.model_factors.get((h, key)) != value:
+                if (h, key) not in self.model_factors and len(self.model_factors) >= MAX_MODEL_FACTORS:
+                    return True  # bounded: a factor past the cap is not kept (not corrupt either)
+                self.model_factors[(h, key)] = value
+                self._fresh_factors.add((h, key))
+            return True
+        labels = self.request_labels.get(h)
+        if labels is None:
+            if len(self.request_labels) >= MAX_REQUEST_IDS:
+                self.request_labels.pop(next(iter(self.request_labels)))
+            labels = self.request_labels[h] = {}
+        if key in labels or len(labels) < MAX_LABELS:  # a republished label replaces itself
+            labels[key] = value
+        return True
+
+    def fresh_model_factors(self, ts_ns: int) -> dict | None:
+        """model_factors rows (MODEL_FACTOR_COLUMNS) of the (model, key) pairs new or changed since the
+        last call, for models whose id the names ring has told us (the others wait for it)."""
+        rows = [(self.names[h], key, self.model_factors[(h, key)]) for h, key in sorted(self._fresh_factors,
+                key=lambda x: (x[0], x[1])) if h in self.names]  # fmt: skip
+        if not rows:
+            return None
+        self._fresh_factors = {(h, k) for h, k in self._fresh_factors if h not in self.names}
+        return {
+            "pid": np.full(len(rows), self.header["writer_pid"], np.int32),
+            "model_id": [r[0] for r in rows],
+            "key": [r[1] for r in rows],
+            "value": [r[2] for r in rows],
+            "ts_ns": np.full(len(rows), ts_ns, np.int64),
+        }
+
+    def request_facts(self, seqs: list[int], traces: list[str], ts_ns: list[int]) -> dict[str, dict]:
+        """request_labels / request_intents rows of the requests that just ended (`seqs`, their trace ids
+        and end times); each request's labels and intent leave the reader with them (once)."""
+        pid = self.header["writer_pid"]
+        labels = {c: [] for c in REQUEST_LABEL_COLUMNS}
+        intents = {c: [] for c in REQUEST_INTENT_COLUMNS}
+        for seq, trace, ts in zip(seqs, traces, ts_ns, strict=True):
+            for key, value in self.request_labels.pop(seq, {}).items():
+                for column, v in zip(REQUEST_LABEL_COLUMNS, (pid, seq, trace, key, value, ts), strict=True):
+                    labels[column].append(v)
+            intent = self.request_intents.pop(seq, None)
+            if intent is not None:
+                row = (pid, seq, trace, f"{intent.template_id:016x}", intent.simhash,
+                       intent_format.minhash_hex(intent.minhash), intent.action, intent.output_format,
+                       intent.constraints_text(), ts)  # fmt: skip
+                for column, v in zip(REQUEST_INTENT_COLUMNS, row, strict=True):
+                    intents[column].append(v)
+        facts = {}
+        if labels["pid"]:
+            facts["request_labels"] = labels
+        if intents["pid"]:
+            intents["simhash"] = np.array(intents["simhash"], np.uint64)  # UBIGINT: above int64's range
+            facts["request_intents"] = intents
+        return facts
 
     def name(self, h: int) -> str:
         return self.names.get(h, "") if h else ""
@@ -438,6 +532,8 @@ class MapView:
             "tokens_in_pass": recs["tokens_in_pass"].astype(np.int32),  # v3; a v2 record: 0 (unknown)
             "request_seq": recs["request_seq"].astype(np.int64),  # v3; 0 = none
             "request_id": [self.request_ids.get(x, "") if x else "" for x in recs["request_seq"].tolist()],
+            # a shadow model's score of a primary's token (store-only: not one of STEP_COLUMNS)
+            "shadow": (recs["flags"] & np.uint32(layout.FLAG_SHADOW)) != 0,
         }
 
     def read_layers(self, cursor: int = 0, limit: int | None = None, refresh: bool = True) -> LayerBatch:
@@ -545,7 +641,12 @@ class MapView:
             "position": np.where(end, -1, recs["finish_reason"].astype(np.int64)).astype(np.int32),
             **self._trace_columns(seqs, traces),
         }
-        return RequestBatch(columns, got.lost, corrupt + got.corrupt + int((~ok).sum()), got.next_cursor)
+        ends = end.tolist()
+        facts = self.request_facts([x for x, e in zip(seqs, ends, strict=True) if e],
+                                   [x for x, e in zip(traces, ends, strict=True) if e],
+                                   t["t_end_ns"][end].tolist())  # fmt: skip
+        return RequestBatch(columns, got.lost, corrupt + got.corrupt + int((~ok).sum()), got.next_cursor,
+                            facts)  # fmt: skip
 
     def _trace_columns(self, seqs: list[int], traces: list[str]) -> dict[str, list]:
         """Whether each request's trace id came from its caller (a traceparent), the caller's span id

@@ -136,6 +136,7 @@ class ShmWriter:
         self._pending_layers: collections.deque = collections.deque()  # CUDA layer records awaiting copies
         self.steps_dropped = 0
         self._names: dict[int, int] = {}  # hash -> position it was last published at
+        self._factors: dict[tuple[int, str], tuple[str, int]] = {}  # (model hash, key) -> (value, position)
         self._pending: collections.deque = collections.deque()  # CUDA steps awaiting their copy
         self._device_view = None
         self._cuda_registered = False
@@ -236,6 +237,43 @@ class ShmWriter:
         if request_seq and text:
             self._publish_name(request_seq, layout.NAME_TRACE_CONTEXT, text)
 
+    def name_request_label(self, request_seq: int, key: str, value: str) -> None:
+        """Label `key`=`value` of request `request_seq` (a NAME_REQUEST_LABEL record: `hash` is
+        request_seq, text "key=value"; key 'variant' is its variant). Validate first
+        (llmobs.publisher.labels): this only publishes."""
+        if request_seq and key:
+            self._publish_name(request_seq, layout.NAME_REQUEST_LABEL, f"{key}={value}")
+
+    def name_request_intent(self, request_seq: int, record: bytes) -> None:
+        """The intent fingerprint of request `request_seq` (a NAME_REQUEST_INTENT record: `hash` is
+        request_seq; `record` is llmobs.publisher.intent.Intent.pack(), at most NAME_TEXT_BYTES bytes,
+        binary: docs/shm-abi.md, "Intent")."""
+        if request_seq and record and len(record) <= layout.NAME_TEXT_BYTES:
+            self._publish_record(request_seq, layout.NAME_REQUEST_INTENT, bytes(record))
+
+    def name_model_factor(self, model_hash: int, key: str, value: str) -> None:
+        """Factor `key`=`value` of the model whose name hash is `model_hash` (a NAME_MODEL_FACTOR record).
+        Published once per (model, key, value), again when the names ring has overwritten it: cheap to
+        call at every request."""
+        if not model_hash or not key:
+            return
+        known = self._factors.get((model_hash, key))
+        if known is not None and known[0] == value and self.names_head - known[1] < self.names_capacity:
+            return
+        pos = self._publish_name(model_hash, layout.NAME_MODEL_FACTOR, f"{key}={value}")
+        if len(self._factors) < 4096:  # bounded: past it a factor is republished per call (still correct)
+            self._factors[(model_hash, key)] = (value, pos)
+
+    def side_step_seq(self) -> int:
+        """A step_seq for a forward pass on a background thread (llmobs.shadow's scoring pass): drawn
+        from the one counter, but the context cell, the control block and the step hook are left to
+        the live thread (the pass tags its own thread through its OTEP 4947 record instead). The live
+        begin_step's unlocked `step_seq + 1` has no eval-breaker check between its load and its store,
+        so under the GIL the two never draw the same number."""
+        with self._lock:
+            self.step_seq = seq = self.step_seq + 1
+        return seq
+
     def next_request_seq(self) -> int:
         """A process-wide request number (u32, never 0): every publisher of this map draws from one
         counter, so two engines in one process never give two requests the same request_seq."""
@@ -243,8 +281,17 @@ class ShmWriter:
             self._request_seq = (self._request_seq + 1) & 0xFFFFFFFF or 1
             return self._request_seq
 
-    def _publish_name(self, h: int, kind: int, text: str) -> None:
+    def _publish_name(self, h: int, kind: int, text: str) -> int:
         data = text.encode("utf-8")[: layout.NAME_TEXT_BYTES].decode("utf-8", "ignore").encode("utf-8")
+        pos = self._publish_record(h, kind, data)
+        if kind < layout.NAME_REQUEST:  # request ids and contexts: published once each, never looked up
+            self._names[h] = pos
+        if kind == layout.NAME_TENANT:
+            thread_ctx.remember_tenant(h, text)
+        return pos
+
+    def _publish_record(self, h: int, kind: int, data: bytes) -> int:
+        """One names-ring record of `data` (at most NAME_TEXT_BYTES bytes); returns its position."""
         with self._lock:
             pos = self.names_head
             off = self.names_offset + (pos & (self.names_capacity - 1)) * layout.NAME_RECORD.size
@@ -254,10 +301,7 @@ class ShmWriter:
             _NAME_HEAD.pack_into(self.mm, off + 8, h, kind, len(data))
             self.mm[off + 24 : off + 24 + len(data)] = data
             self.words[off >> 3] = 2 * pos + 2
-        if kind < layout.NAME_REQUEST:  # request ids and contexts: published once each, never looked up
-            self._names[h] = pos
-        if kind == layout.NAME_TENANT:
-            thread_ctx.remember_tenant(h, text)
+        return pos
 
     # --- the current-context cell -------------------------------------------------------------------
     def begin_step(self, trace_hi: int, trace_lo: int, tenant_hash: int, session_hash: int, rows: int = 0,
@@ -567,7 +611,10 @@ class ShmWriter:
             "kv_len": kv_len, "flags": flags, "tokens_in_pass": tokens_in_pass, "request_seq": request_seq,
         }  # fmt: skip
         for name, value in values.items():
-            arr = np.broadcast_to(np.asarray(value), (n,))
+            # a list in the field's own dtype: a list of Python ints mixing trace words below and above
+            # 2**63 would otherwise become float64 and lose the words' low bits
+            arr = np.asarray(value, self.steps.dtype[name]) if isinstance(value, list) else np.asarray(value)
+            arr = np.broadcast_to(arr, (n,))
             self.steps[name][slot : slot + first] = arr[:first]
             if first < n:
                 self.steps[name][: n - first] = arr[first:]

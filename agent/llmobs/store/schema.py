@@ -516,6 +516,50 @@ MIGRATIONS: tuple[Migration, ...] = (
                 ts_ns BIGINT NOT NULL)""",
         ),
     ),
+    Migration(
+        13,
+        "compare: request labels (variant, user labels), model factors, prompt intent; shadow token steps",
+        (
+            # One row per label of a request (llmobs.context(variant=..., labels={...}); key 'variant' is
+            # the variant). A request is (pid, request_seq): a request with labels always has a
+            # request_seq. trace_id is the request's (so labels pair across processes and stores).
+            """CREATE TABLE request_labels (
+                pid INTEGER NOT NULL,
+                request_seq BIGINT NOT NULL,
+                trace_id VARCHAR,
+                key VARCHAR NOT NULL,
+                value VARCHAR NOT NULL,
+                ts_ns BIGINT NOT NULL,
+                PRIMARY KEY (pid, request_seq, key))""",
+            # Factors the publisher reads from the model itself (adapters, dtype, quantization,
+            # tokenizer, vocab size), one row per (model, key).
+            """CREATE TABLE model_factors (
+                pid INTEGER NOT NULL,
+                model_id VARCHAR NOT NULL,
+                key VARCHAR NOT NULL,
+                value VARCHAR NOT NULL,
+                ts_ns BIGINT NOT NULL,
+                PRIMARY KEY (pid, model_id, key))""",
+            # The prompt's intent fingerprint (opt-in; derived in the workload, never the text): a
+            # template id (variable parts masked), a 64-bit SimHash and a MinHash signature (hex) of
+            # its word n-grams, and the structured slots (ids from the documented vocabulary).
+            """CREATE TABLE request_intents (
+                pid INTEGER NOT NULL,
+                request_seq BIGINT NOT NULL,
+                trace_id VARCHAR,
+                template_id VARCHAR NOT NULL,
+                simhash UBIGINT NOT NULL,
+                minhash VARCHAR NOT NULL,
+                action VARCHAR NOT NULL,
+                output_format VARCHAR NOT NULL,
+                constraints VARCHAR NOT NULL,
+                ts_ns BIGINT NOT NULL,
+                PRIMARY KEY (pid, request_seq))""",
+            # A shadow model's teacher-forced score of a primary request's tokens (llmobs.shadow): same
+            # trace_id, step and position as the primary's token step, its own request_seq and variant.
+            "ALTER TABLE token_steps ADD COLUMN shadow BOOLEAN DEFAULT false",
+        ),
+    ),
 )
 
 LATEST_VERSION = MIGRATIONS[-1].version
@@ -541,6 +585,9 @@ TIME_COLUMN: dict[str, str] = {
     "replay_steps": "ts_ns",
     "replay_layers": "ts_ns",
     "replay_ops": "ts_ns",
+    "request_labels": "ts_ns",
+    "model_factors": "ts_ns",
+    "request_intents": "ts_ns",
     "processes": "last_seen_ns",
 }
 

@@ -48,6 +48,16 @@ T = TypeVar("T")
 AGENT_THREADS = 1
 
 
+# Keyed tables a reader may hand the same row again (a re-attached agent reads a live map's names ring
+# from its start): the stored row stays (a request's labels and intent never change) or, for a model's
+# factor, the newer value wins. A plain INSERT would fail the whole commit on the duplicate key.
+_ON_CONFLICT = {
+    "request_labels": "INSERT OR IGNORE",
+    "request_intents": "INSERT OR IGNORE",
+    "model_factors": "INSERT OR REPLACE",
+}
+
+
 def agent_memory_limit() -> str:
     """The DuckDB memory limit of a store the agent writes: $LLMOBS_DUCKDB_MEMORY_LIMIT, else 32MB."""
     return os.environ.get(environment.LLMOBS_DUCKDB_MEMORY_LIMIT) or AGENT_MEMORY_LIMIT
@@ -249,7 +259,8 @@ class DuckDBStore:
         # view instead (register + unregister) cost ~1.8 ms a table a commit, two catalog changes for
         # one read. Column lists by name, as before: a column the batch lacks takes its default.
         _llmobs_batch = batch  # noqa: F841 (read by the replacement scan)
-        sql = f"INSERT INTO {table} ({', '.join(into)}) SELECT {', '.join(select)} FROM _llmobs_batch"
+        verb = _ON_CONFLICT.get(table, "INSERT")
+        sql = f"{verb} INTO {table} ({', '.join(into)}) SELECT {', '.join(select)} FROM _llmobs_batch"
         if where:
             sql += f" WHERE {where}"
         return self._conn.execute(sql).fetchall()[0][0]

@@ -165,3 +165,31 @@ def by_tenant(tenant: str | None = None, version: int = SHARES_VERSION):
 
 def by_session(tenant: str | None = None, session: str | None = None, version: int = SHARES_VERSION):
     return _usage(("tenant", "session"), tenant, session, version)
+
+
+def request_variants(catalog: str = "") -> str:
+    """SQL (a SELECT, for a CTE or a view) of every request with a request_seq and its variant: (pid,
+    request_seq, trace_id, variant, model_id). The one rule (docs/compare.md): a request's variant is
+    its `variant` label if it has one, else its model id. Requests come from their token steps and from
+    request-end rows (a served request that failed before its first token has no step); a generate()
+    request without a request_seq has no labels, so its variant is its token steps' model_id.
+
+    `catalog`: the attached database to read ("" = the connection's own); it needs migration 13.
+    """
+    p = f"{catalog}." if catalog else ""
+    return f"""
+    WITH seen AS (
+        SELECT pid, request_seq, any_value(trace_id) AS trace_id, any_value(model_id) AS model_id
+        FROM {p}token_steps WHERE request_seq <> 0 GROUP BY pid, request_seq
+        UNION ALL
+        SELECT pid, request_seq, any_value(trace_id), any_value(model_id)
+        FROM {p}request_events WHERE kind = 'end' AND request_seq <> 0 GROUP BY pid, request_seq
+    ),
+    req AS (
+        SELECT pid, request_seq, any_value(trace_id) AS trace_id, max(model_id) AS model_id
+        FROM seen GROUP BY pid, request_seq
+    )
+    SELECT r.pid, r.request_seq, r.trace_id, coalesce(l.value, r.model_id) AS variant, r.model_id
+    FROM req r LEFT JOIN {p}request_labels l
+        ON l.pid = r.pid AND l.request_seq = r.request_seq AND l.key = 'variant'
+    """

@@ -17,6 +17,13 @@ Each HTTP request runs inside `llmobs.context(tenant=..., session=...)` from its
 (`current_traceparent()`), so the request the handler adds to the engine carries them. A malformed header
 is ignored (counted, warned once), never a failed request.
 
+Variants and labels (docs/mirror.md, docs/compare.md): `--variant NAME` and `--label KEY=VALUE` (repeatable)
+label every request this server serves (`llmobs.context(variant=..., labels=...)`); a request's own
+`x-llmobs-variant: NAME` and `x-llmobs-labels: k=v,k=v` headers override them key by key (a traffic
+mirror tags its shadow copies this way). A labels header that is not comma-separated `k=v` items is
+malformed (counted in malformed_label, like a bad tenant); which keys and values are valid is the
+publisher's rule (bad ones are dropped and counted there).
+
 Synchronisation without sleeps:
   --ready-file PATH / --ready-fd N   one JSON line once it serves: {"pid", "port", "base_url", "map",
                                      "model", "served_model", "phase": "ready"}; "phase": "done" at exit
@@ -43,6 +50,9 @@ from llmobs.workloads.sync import announce
 TENANT_HEADER = b"x-llmobs-tenant"
 SESSION_HEADER = b"x-llmobs-session"
 TRACEPARENT_HEADER = b"traceparent"
+VARIANT_HEADER = b"x-llmobs-variant"
+LABELS_HEADER = b"x-llmobs-labels"
+MAX_LABELS_HEADER_CHARS = 1024  # an x-llmobs-labels header longer than this is malformed (8 labels fit)
 MAX_LABEL_CHARS = 128  # a tenant or session longer than this is malformed (bounded cardinality and memory)
 # W3C Trace Context: version-traceid-parentid-flags, lowercase hex; a later version may append "-..." fields
 _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-[^\s]*)?")
@@ -83,6 +93,33 @@ def _label(value: str | None, what: str) -> str | None:
     return None
 
 
+def parse_labels(text: str) -> dict[str, str] | None:
+    """{key: value} of `k=v,k=v` (items and their two sides stripped of spaces), None if malformed: an item
+    without `=`, an empty key or value, a repeated key, or text over MAX_LABELS_HEADER_CHARS."""
+    if len(text) > MAX_LABELS_HEADER_CHARS:
+        return None
+    labels = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key or not value or key in labels:
+            return None
+        labels[key] = value
+    return labels
+
+
+def _header_labels(raw: str | None) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    try:
+        labels = parse_labels(raw.encode("latin-1").decode("utf-8"))  # the header's bytes, as utf-8
+    except UnicodeError:
+        labels = None
+    if labels is None:
+        _malformed("label", "an x-llmobs-labels header that is not comma-separated key=value items")
+    return labels
+
+
 def _malformed(kind: str, what: str) -> None:
     stats[f"malformed_{kind}"] += 1
     if not _warned[kind]:
@@ -106,9 +143,15 @@ class RequestContext:
     (llmobs.context when instrumented); if it fails the request runs without it.
     """
 
-    def __init__(self, app, enter=None):
+    def __init__(self, app, enter=None, variant: str | None = None, labels: dict[str, str] | None = None):
         self.app = app
         self.enter = enter
+        self.variant, self.labels = variant, dict(labels or {})  # the server's own (--variant, --label)
+
+    def _variant_and_labels(self, headers) -> tuple[str | None, dict[str, str]]:
+        """The server's variant and labels, each overridden by the request's headers where it has them."""
+        variant = _label(_header(headers, VARIANT_HEADER), "x-llmobs-variant") or self.variant
+        return variant, {**self.labels, **(_header_labels(_header(headers, LABELS_HEADER)) or {})}
 
     def _labels(self, scope) -> tuple[str | None, str | None, str | None]:
         headers = scope.get("headers") or ()
@@ -129,14 +172,19 @@ class RequestContext:
         stats["requests"] += 1
         try:
             tenant, session, traceparent = self._labels(scope)
+            variant, labels = self._variant_and_labels(scope.get("headers") or ())
         except Exception:  # whatever the headers hold, the request is served
             tenant = session = traceparent = None
+            variant, labels = self.variant, self.labels
         token = _traceparent.set(traceparent)
         try:
             scoped = contextlib.nullcontext()
-            if self.enter is not None and (tenant or session or traceparent):
+            if self.enter is not None and (tenant or session or traceparent or variant or labels):
                 try:
-                    scoped = self.enter(tenant, session, traceparent)
+                    # variant and labels only when there are some: an `enter` of the three-argument form
+                    # keeps working for the requests that have none
+                    extra = {"variant": variant, "labels": labels} if variant or labels else {}
+                    scoped = self.enter(tenant, session, traceparent, **extra)
                     scoped.__enter__()
                 except Exception:
                     scoped = contextlib.nullcontext()
@@ -153,12 +201,17 @@ def llmobs_enter():
     publisher accepts one)."""
     import llmobs
 
-    takes_traceparent = "traceparent" in inspect.signature(llmobs.context).parameters
+    parameters = inspect.signature(llmobs.context).parameters
+    takes_traceparent = "traceparent" in parameters
+    takes_labels = "variant" in parameters and "labels" in parameters
 
-    def enter(tenant, session, traceparent):
+    def enter(tenant, session, traceparent, variant=None, labels=None):
+        kwargs = {"tenant": tenant, "session": session}
         if takes_traceparent:
-            return llmobs.context(tenant=tenant, session=session, traceparent=traceparent)
-        return llmobs.context(tenant=tenant, session=session)
+            kwargs["traceparent"] = traceparent
+        if takes_labels and (variant or labels):
+            kwargs.update(variant=variant, labels=labels or None)
+        return llmobs.context(**kwargs)
 
     return enter
 
@@ -186,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-instrument", action="store_true", help="serve without llmobs (a baseline)")
+    p.add_argument("--variant", help="the variant label of every request served (x-llmobs-variant overrides)")
+    p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
+                   help="a label of every request (repeatable; x-llmobs-labels overrides keys)")  # fmt: skip
     p.add_argument("--ready-file", help="write a JSON line here when serving and when done")
     p.add_argument("--ready-fd", type=int, help="write the JSON lines to this inherited fd")
     p.add_argument("--graceful-timeout", type=float, default=10.0,
@@ -249,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_dir and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         return _fail(f"--model-dir {args.model_dir} holds no config.json",
                      "give a directory save_pretrained() wrote, or use --model smollm2|tiny", 2)  # fmt: skip
+    server_labels = parse_labels(",".join(args.label)) if args.label else {}
+    if server_labels is None or any("," in label for label in args.label):
+        return _fail(f"--label {args.label!r}: each is one KEY=VALUE (no commas, no repeated key)",
+                     "e.g. --label template=v3 --label region=eu", 2)  # fmt: skip
     try:
         sock = _listen(args.host, args.port)
     except OSError as exc:
@@ -288,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
         llmobs.instrument(model, model_id=model_id)
         map_path = get_writer().path
         enter = llmobs_enter()
-    app.add_middleware(RequestContext, enter=enter)  # outermost: the whole request runs inside it
+    # outermost: the whole request runs inside it
+    app.add_middleware(RequestContext, enter=enter, variant=args.variant, labels=server_labels)
 
     host, port = sock.getsockname()[:2]
     base_url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"

@@ -19,11 +19,15 @@
 #define LLMOBS_NAME_OTHER           4                       /* name record kind */
 #define LLMOBS_NAME_REQUEST         5                       /* name record kind: hash is the request_seq */
 #define LLMOBS_NAME_TRACE_CONTEXT   6                       /* name record kind: request_seq's caller trace */
+#define LLMOBS_NAME_REQUEST_LABEL   7                       /* name record kind: a label of request_seq */
+#define LLMOBS_NAME_REQUEST_INTENT  8                       /* name record kind: request_seq's intent */
+#define LLMOBS_NAME_MODEL_FACTOR    9                       /* name record kind: a factor of model hash */
 #define LLMOBS_FLAG_HAS_TARGET      1                       /* step record flag */
 #define LLMOBS_FLAG_GENERATE        2                       /* step record flag */
 #define LLMOBS_FLAG_TEACHER_FORCED  4                       /* step record flag */
 #define LLMOBS_FLAG_DEVICE_CUDA     8                       /* step record flag */
 #define LLMOBS_FLAG_PREFILL         16                      /* step record flag: the pass also processed prompt tokens */
+#define LLMOBS_FLAG_SHADOW          32                      /* step record flag: a shadow model's score of a primary token */
 #define LLMOBS_CTX_MIXED            1                       /* ctx flag: rows of several requests (trace id 0) */
 #define LLMOBS_CTX_TENANTS_MIXED    2                       /* ctx flag: rows of several tenants or sessions */
 #define LLMOBS_REQUEST_END          1                       /* request-event kind */
