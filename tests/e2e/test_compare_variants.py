@@ -14,9 +14,9 @@ Sized offline (4 prompts x 24 greedy tokens): with jitter seed 1 the jitter rais
 of every prompt (+0.021 .. +0.114 nats, +6.9% in all), so a bootstrap over the 8 request pairs excludes
 zero and the relative difference clears the default 3% threshold. Whether a +-3% jitter hurts depends on
 its draw (seeds 2, 3, 4: -0.04%, +3.1%, +0.2%; docs/compare.md, "Shadow scoring"): seed 1 is a draw
-that does. The attribution's units are requests, whose prompts differ more than the jitter moves them,
-so there the quantization ranks first by its effect while its own interval is wide; compare's paired
-interval is the one that excludes zero.
+that does. The attribution's units are requests, whose prompts differ more than the jitter moves them:
+it blocks on the prompt (each prompt's 4 requests: v1, v2 and their shadows), so the quantization is
+fitted within prompts and its interval, resampled over the 4 prompts, excludes zero too.
 """
 
 from __future__ import annotations
@@ -135,12 +135,15 @@ def test_compare_flags_the_jittered_quantization_and_attribution_ranks_it_first(
     result = _cli("query", "--db", str(db), "--attribution", "--metric", "loss", "--format", "json")
     assert result.returncode == 0, result.stderr
     print(result.stdout)
-    factors = [r for r in json.loads(result.stdout) if r["kind"] == "factor"]
+    rows = json.loads(result.stdout)
+    factors = [r for r in rows if r["kind"] == "factor"]
     factors.sort(key=lambda f: f["rank"] or 1 << 30)
     first = factors[0]
     # first: the quantization (its label, the model factor and the variant split the requests alike);
-    # the template's effect is exactly 0. Requests are the matrix's units and their prompts differ, so
-    # the quantization's interval is wide there: compare's paired interval is the one that excludes 0.
+    # the template's effect is exactly 0. The matrix blocks on the prompt (a prompt's primaries and
+    # their shadows): the quantization is fitted within prompts, so its interval excludes 0 as well
+    assert {(r["design"], r["blocks"]) for r in rows} == {("blocked by prompt", len(PROMPTS))}, rows
     assert first["rank"] == 1 and "quant" in first["factor"].split(" = ") and first["effect"] > 0.03, factors
+    assert first["significant"] and first["ci_low"] > 0 and first["ci_high"] > first["effect"], first
     template = next(f for f in factors if f["factor"] == "template")
     assert template["rank"] == 2 and template["effect"] == 0 and not template["significant"], factors

@@ -9,9 +9,10 @@ OpenAI-compatible server, the `tiny` model, greedy decoding) with the real `open
 - killed in the middle of a run of concurrent clients, the shadow costs the primary no request, and
   every copy is accounted for in the counters (and the exit summary line).
 
-The shadow is bench.http_responder (a recording HTTP server, SIGKILLed in the third test): one model
-server (the session's, shared with test_serving_http) keeps the cost to one server start (~20 s here); that the server's records carry the
-traceparent it was sent is checked on the primary, the same code the shadow server would run."""
+The shadow is bench.http_responder (a recording HTTP server, SIGKILLed in the fourth test), which
+counts exactly what it received; the last test puts a second real serving workload behind the mirror as
+the shadow: its records pair with the primary's by trace id, and it is SIGKILLed mid-run. The primary
+is the session's tiny server (tests/e2e/conftest.py, shared with test_serving_http)"""
 
 from __future__ import annotations
 
@@ -173,3 +174,59 @@ def test_a_shadow_killed_mid_run_costs_the_primary_no_request(primary, shadow, m
     assert status == 0
     assert summary == {k: v for k, v in stats.items() if k in summary}  # the exit line: the same counters
     assert set(stats) - set(summary) == {"shadow_queued", "shadow_in_flight", "primary_connections_opened"}
+
+
+def test_a_real_shadow_servers_records_pair_with_the_primarys_and_its_death_costs_nothing(primary):
+    """Both sides real serving workloads: each request the primary served has a record of the same trace
+    id at the shadow server (its variant from the mirror's tag, `x-llmobs-variant`); then the shadow
+    server is SIGKILLed in the middle of a run of concurrent clients and the primary loses no request."""
+    import os
+    import signal
+
+    import openai
+
+    from bench.held_server import HeldServer
+
+    with HeldServer("--model", "tiny", "--threads", "1") as shadow_server:
+        origin, shadow_origin = (s.base_url.removesuffix("/v1") for s in (primary, shadow_server))
+        with HeldMirror(origin, shadow_origin, "--shadow-header", "x-llmobs-variant:candidate") as mirror:
+            before = set(_ended(primary.pid))
+            client = openai.OpenAI(base_url=mirror.base_url + "/v1", api_key="x", max_retries=0)
+            for stream in (False, True, False):
+                hello = [{"role": "user", "content": "Hi"}]
+                client.chat.completions.create(model=primary.model, messages=hello, max_tokens=3,
+                                               temperature=0, stream=stream)  # fmt: skip
+            wait_until(lambda: len(set(_ended(primary.pid)) - before) == 3, 60, what="the primary's records")
+            served = set(_ended(primary.pid)) - before
+            wait_until(lambda: served <= set(_ended(shadow_server.pid)), 60, what="the shadow's records")
+            shadowed = _ended(shadow_server.pid)
+            assert set(shadowed) == served  # one record per request on each side, paired by trace id
+            assert all(shadowed[t] == {"variant": "candidate"} for t in served)
+
+            results: list[dict] = []
+
+            def clients_run():
+                records, _ = clients.run_clients(mirror.base_url + "/v1", threads=3, tenants=("a", "b"),
+                                                 requests=4, max_tokens=3, stream=True,
+                                                 model=primary.model)  # fmt: skip
+                results.extend(records)
+
+            worker = threading.Thread(target=clients_run)
+            worker.start()
+            wait_until(lambda: mirror.stats()["mirrored"] >= 6 or not worker.is_alive(), 120,
+                       what="copies answered by the shadow")  # fmt: skip
+            assert worker.is_alive(), "the run ended before the shadow could be killed in its middle"
+            os.kill(shadow_server.pid, signal.SIGKILL)
+            worker.join(300)
+            assert len(results) == 12 and [r["error"] for r in results] == [None] * 12
+            wait_until(lambda: mirror.stats()["shadow_in_flight"] + mirror.stats()["shadow_queued"] == 0, 30,
+                       what="the copies in flight to end")  # fmt: skip
+            stats = mirror.stats()
+            assert (stats["forwarded"], stats["primary_errors"], stats["copies"]) == (15, 0, 15)
+            lost = (
+                stats["dropped_full"]
+                + stats["dropped_down"]
+                + stats["shadow_errors"]
+                + stats["shadow_timeouts"]
+            )
+            assert stats["mirrored"] + lost == 15 and lost >= 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import duckdb
 import numpy as np
@@ -283,3 +284,32 @@ def test_a_primary_without_targets_pairs_on_its_chosen_tokens(tmp_path):
     result = cmp.compare(path, cmp.parse_selector("variant:fp32"), cmp.parse_selector("variant:q4-jitter"),
                          metrics=("loss",), resamples=200)  # fmt: skip
     assert result.pairs["token_pairs"] == 40 and result.metrics[0].basis == "40 paired tokens in 10 pairs"
+
+
+def test_pairs_of_one_prompt_are_resampled_together(tmp_path):
+    """A prompt sent twice (or under two labels that change nothing: greedy decoding gives the same
+    tokens) is one observation, not two: the bootstrap draws prompts, each with all its pairs. The same
+    prompts once each, or each twice with identical tokens, give the same point and the same interval."""
+
+    def store(copies: int) -> Path:
+        specs = []
+        for prompt in range(12):
+            for copy in range(copies):
+                seq = 1 + 2 * (prompt * copies + copy)
+                shift = 0.05 * (prompt % 4)  # B - A differs from prompt to prompt: a real interval
+                specs.append(sc.RequestSpec(seq, prompt=prompt, labels={"variant": "a"}))
+                specs.append(sc.RequestSpec(seq + 1, prompt=prompt, shadow=True, loss_shift=shift,
+                                            labels={"variant": "b", "shadow_of": seq}))  # fmt: skip
+        path = tmp_path / f"x{copies}.duckdb"
+        with DuckDBStore(path) as s:
+            s.append(sc.tables(7, specs, 8, noise=0.0))
+        return path
+
+    a, b = cmp.parse_selector("variant:a"), cmp.parse_selector("variant:b")
+    once = cmp.compare(store(1), a, b, metrics=("loss",), resamples=400)
+    twice = cmp.compare(store(2), a, b, metrics=("loss",), resamples=400)
+    assert (once.pairs["pairs"], twice.pairs["pairs"]) == (12, 24)
+    assert once.bootstrap["clusters"] == twice.bootstrap["clusters"] == 12
+    one, two = once.metrics[0], twice.metrics[0]
+    assert two.diff == pytest.approx(one.diff, abs=1e-9) and two.ci == pytest.approx(one.ci, abs=1e-6)
+    assert one.ci[0] < one.diff < one.ci[1]

@@ -70,6 +70,20 @@ def test_live_stats_from_known_steps_and_totals():
     assert later["tokens_per_s"] == 0 and later["p50_ms"] == pytest.approx(3.0)
 
 
+def test_shadow_rows_are_no_traffic():
+    """A shadow model's scores (llmobs.shadow: the reader's `shadow` column) of tokens already counted
+    change neither the token count nor the latency or loss figures."""
+    now = 100 * 10**9
+    live = _columns(7, [1, 2, 3], [1.0, 2.0, 3.0], now)
+    mixed = {k: (np.concatenate([v, v]) if isinstance(v, np.ndarray) else v + v) for k, v in live.items()}
+    mixed["loss"] = np.concatenate([live["loss"], np.full(3, 50.0, np.float32)])
+    mixed["shadow"] = np.array([False] * 3 + [True] * 3)
+    plain, with_shadow = LiveStats(7), LiveStats(7)
+    plain.add_steps(live)
+    with_shadow.add_steps(mixed)
+    assert with_shadow.row(now) == plain.row(now) and plain.row(now)["tokens"] == 3
+
+
 def test_render_aligns_columns_and_marks_unknowns():
     rows = [
         {"pid": 1, "model_id": "m", "tenants": ["a"], "tokens": 1234, "tokens_per_s": 5.25, "p50_ms": 1.0,

@@ -116,8 +116,8 @@ def print_table(result: cmp.Comparison, out) -> None:
     b = result.bootstrap
     level = round(100 * (1 - b["alpha"]), 2)
     w(
-        f"interval: {level:g}% percentile, Poisson bootstrap over request pairs ({b['resamples']} resamples,"
-        f" seed {b['seed']}); FLAG: interval excludes 0 and |rel| >= {100 * b['threshold']:g}%\n"
+        f"interval: {level:g}% percentile, Poisson bootstrap over {b['clusters']} prompts ({b['resamples']}"
+        f" resamples, seed {b['seed']}); FLAG: interval excludes 0 and |rel| >= {100 * b['threshold']:g}%\n"
     )
     header = ("metric", "unit", "A", "B", "B-A", "rel", f"{level:g}% CI (B-A)", "p", "pairs", "")
     rows = []

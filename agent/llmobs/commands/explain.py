@@ -201,7 +201,8 @@ def _factors(conn, step: dict) -> dict | None:
         top.append({"rank": f.rank, "factor": f.factor, "level": level, "contrast_level": f.level,
                     "reference": f.reference, "effect": f.effect, "ci": f.ci, "significant": f.significant,
                     "note": f.note})  # fmt: skip
-    return {"requests": result.requests, "resamples": FACTOR_RESAMPLES, "top": top, "levels": mine}
+    return {"requests": result.requests, "resamples": FACTOR_RESAMPLES, "design": result.design,
+            "blocks": result.blocks, "top": top, "levels": mine}  # fmt: skip
 
 
 def _median(values: np.ndarray) -> float | None:
@@ -451,8 +452,9 @@ def _print_factors(factors: dict | None, w) -> None:
         levels = ", ".join(f"{k}={v}" for k, v in sorted(factors["levels"].items()))
         w(f"factors: {levels or '-'} (attribution matrix skipped: {factors['skipped']})\n")
         return
-    w(f"factors of this request, as the attribution matrix ranks them (loss, {factors['requests']} requests,"
-      f" {factors['resamples']} resamples; llmobs-agent query --attribution):\n")  # fmt: skip
+    blocked = f", blocked by prompt ({factors['blocks']} prompts)" if factors.get("blocks") else ""
+    w(f"factors of this request, as the attribution matrix ranks them (loss, {factors['requests']} requests"
+      f"{blocked}, {factors['resamples']} resamples; llmobs-agent query --attribution):\n")  # fmt: skip
     for f in factors["top"]:
         if f["effect"] is None:
             w(f"  {f['rank']}. {f['level'] or f['factor']}: {f['note']}\n")

@@ -135,9 +135,12 @@ def _attribution(store: DuckDBStore, args: argparse.Namespace) -> int:
     from llmobs.diagnostics import attribution
 
     result = attribution.attribution(store.connection, args.metric or "loss")
-    if args.format == "table":
+    if args.format == "table":  # the design (blocked by prompt, or requests) is in the header line
         sys.stdout.write(attribution.summary(result) + "\n")
-    sys.stdout.write(RENDERERS[args.format](attribution.COLUMNS, attribution.rows(result)))
+        sys.stdout.write(RENDERERS["table"](attribution.COLUMNS, attribution.rows(result)))
+        return 0
+    columns = attribution.COLUMNS + attribution.DESIGN_COLUMNS
+    sys.stdout.write(RENDERERS[args.format](columns, attribution.rows(result, design=True)))
     return 0
 
 

@@ -498,7 +498,10 @@ def _compare(
     )
     cols.update({"t_n": tp.n, "t_a": tp.a_sum, "t_b": tp.b_sum})
     token_pairs = int(tp.n.sum())
-    w = bootstrap_weights(n, resamples, seed)
+    clusters, n_clusters = _prompt_clusters(conn, n)
+    w = bootstrap_weights(n_clusters, resamples, seed)
+    if n_clusters < n:  # the pairs of one prompt are drawn together: one weight per prompt
+        w = w[clusters]
     specs = [m for m in METRICS if m.group in metrics]
 
     def f(name):
@@ -573,7 +576,8 @@ def _compare(
         pairs={"pairs": n, "by": {k: int(v) for k, v in sorted(kinds.items())}, "token_pairs": token_pairs},
         bootstrap={
             "resamples": resamples,
-            "method": "percentile; Poisson bootstrap over request pairs",
+            "method": "percentile; Poisson bootstrap over prompts (each prompt's pairs together)",
+            "clusters": n_clusters,
             "seed": seed,
             "alpha": alpha,
             "threshold": threshold,
@@ -581,6 +585,21 @@ def _compare(
         metrics=results,
         steps=steps,
     )
+
+
+def _prompt_clusters(conn, n: int) -> tuple[np.ndarray, int]:
+    """(each pair's prompt cluster index, in order of the pairs; how many clusters): pairs of the same
+    prompt (a prompt sent twice, or with two template labels that change nothing) are not independent -
+    under greedy decoding they are the same tokens - so the bootstrap resamples prompts, each with all
+    its pairs. Indices follow the pairs' order, so with every prompt once they are 0..n-1."""
+    rows = conn.execute("""SELECT coalesce(a.prompt_key, b.prompt_key) FROM pairs p
+        JOIN side_a a ON a.rid = p.a_rid JOIN side_b b ON b.rid = p.b_rid ORDER BY p.pair""").fetchall()
+    index: dict = {}
+    clusters = np.fromiter(
+        (index.setdefault(("pair", i) if key is None else key, len(index)) for i, (key,) in enumerate(rows)),
+        np.int64, n,
+    )  # fmt: skip
+    return clusters, len(index)
 
 
 def _tpot(specs, av, bv, w, alpha, threshold) -> list[MetricResult]:

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 
 from llmobs import clock, environment
+from llmobs.diagnostics.detectors import live_traffic
 from llmobs.store.schema import probe_class
 
 DEFAULT_RUN_DIR = Path("/run/llmobs")
@@ -67,6 +68,7 @@ class LiveStats:
         self._passes: dict[int, list] = {}
 
     def add_steps(self, columns: dict) -> None:
+        columns = live_traffic(columns)  # a shadow model's scores of tokens already counted are no traffic
         n = len(columns["step_seq"])
         if not n:
             return
