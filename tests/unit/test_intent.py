@@ -4,6 +4,8 @@ holds ids and hashes only."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from llmobs.diagnostics import intent_cluster
 from llmobs.publisher.intent import fingerprint, user_text
@@ -156,3 +158,25 @@ def test_the_user_turn_of_a_chat_template():
         "Translate this to French."
     )
     assert user_text("plain <s>text", ["<s>"]) == "plain text"
+
+
+def test_a_stored_intent_with_a_malformed_signature_is_left_out_and_counted(tmp_path, capsys):
+    """A request_intents row whose MinHash is not MINHASH_K u16s in hex (a damaged or hand-written store)
+    is left out of the clusters and counted; the command says so on stderr and clusters the rest."""
+    from llmobs.cli import main
+    from llmobs.store.sink import DuckDBStore
+
+    good = intent_format.minhash_hex(fingerprint("Summarize this article in 3 bullet points.").minhash)
+    path = tmp_path / "s.duckdb"
+    with DuckDBStore(path) as store:
+        for seq, signature in ((1, good), (2, good[:-4]), (3, "zz" + good[2:])):
+            store.connection.execute(
+                "INSERT INTO request_intents VALUES (7, ?, 't', 'tpl', 1, ?, 'summarize', 'list', '', ?)",
+                [seq, signature, seq],
+            )
+    before = intent_cluster.malformed
+    assert main(["query", "--db", str(path), "--by-intent", "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert intent_cluster.malformed - before == 2
+    assert "2 stored intent(s) with a malformed MinHash signature left out" in err
+    assert [c["members"] for c in json.loads(out)] == [["7:1"]]

@@ -114,7 +114,11 @@ def _by_intent(store: DuckDBStore, args: argparse.Namespace) -> int:
 
     if schema.current_version(store.connection) < 13:
         raise StoreError("this store predates request intents (schema 13)", hint="run the agent on it once")
+    before = intent_cluster.malformed
     clusters = intent_cluster.cluster(intent_cluster.load(store.connection))
+    if intent_cluster.malformed > before:
+        left_out = intent_cluster.malformed - before
+        sys.stderr.write(f"note: {left_out} stored intent(s) with a malformed MinHash signature left out\n")
     if not clusters:
         sys.stderr.write(
             "note: no request intents stored: opt in with llmobs.instrument(model, tokenizer, intent=True)"

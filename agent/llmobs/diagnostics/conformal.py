@@ -292,15 +292,8 @@ class ConformalScorer:
         for i in order:
             by_stream.setdefault(keys[i] // 128, []).append(i)
         for stream, members in by_stream.items():
-            s_pid, s_variant = divmod(stream, 2)
             n_tested = sum(1 for i in members if p[i] == p[i])
-            n_flagged = sum(1 for i in members if flagged[i])
-            rate = self._flag_rate.get((s_pid, s_variant), self.alarm_rate)
-            if n_tested:
-                weight = 1.0 - self._decay**n_tested
-                rate = rate * (1.0 - weight) + weight * n_flagged / n_tested
-                self._flag_rate[(s_pid, s_variant)] = rate
-            hold = n_flagged and rate > self.holdout_factor * self.alarm_rate
+            hold = self._guard(stream, n_tested, sum(1 for i in members if flagged[i]))
             start = 0
             while start < len(members):  # each key's part, as _learn adds them
                 key = keys[members[start]]
@@ -324,22 +317,26 @@ class ConformalScorer:
         for key, idx in zip(keys.tolist(), members, strict=True):
             by_stream.setdefault(key // 128, []).append((key, idx))
         for stream, parts in by_stream.items():
-            s_pid, s_variant = divmod(stream, 2)
             idx = np.concatenate([part for _b, part in parts]) if len(parts) > 1 else parts[0][1]
-            n_tested = int(np.count_nonzero(tested[idx]))
-            n_flagged = int(np.count_nonzero(flagged[idx]))
-            rate = self._flag_rate.get((s_pid, s_variant), self.alarm_rate)
-            if n_tested:
-                weight = 1.0 - self._decay**n_tested
-                rate = rate * (1.0 - weight) + weight * n_flagged / n_tested
-                self._flag_rate[(s_pid, s_variant)] = rate
-            hold = n_flagged and rate > self.holdout_factor * self.alarm_rate
+            n_tested, n_flagged = int(np.count_nonzero(tested[idx])), int(np.count_nonzero(flagged[idx]))
+            hold = self._guard(stream, n_tested, n_flagged)
             for key, part in parts:
                 if hold:
                     kept = part[~flagged[part]]
                     self.counters.held_out += len(part) - len(kept)
                     part = kept
                 self._reference(_unpacked(key)).add(bins[part], self.max_count)
+
+    def _guard(self, stream: int, n_tested: int, n_flagged: int) -> bool:
+        """The (pid, variant) stream's flag-rate EWMA after this batch's tested tokens; True: its flagged
+        tokens are held out of the reference (the recent rate is above holdout_factor x the budget)."""
+        key = divmod(stream, 2)
+        rate = self._flag_rate.get(key, self.alarm_rate)
+        if n_tested:
+            weight = 1.0 - self._decay**n_tested
+            rate = rate * (1.0 - weight) + weight * n_flagged / n_tested
+            self._flag_rate[key] = rate
+        return bool(n_flagged) and rate > self.holdout_factor * self.alarm_rate
 
     def _reference(self, key: tuple[int, int, int, int]) -> Reference:
         reference = self._references.get(key)

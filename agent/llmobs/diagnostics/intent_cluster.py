@@ -149,14 +149,31 @@ def _slot_jaccard(cache: dict, a: tuple, b: tuple) -> float:
 
 
 def load(connection) -> list[Fingerprint]:
-    """Every stored request intent, oldest first."""
+    """Every stored request intent, oldest first; a row whose signature is not MINHASH_K u16s in hex (a
+    store written by hand, or damaged) is left out and counted in `malformed` (the CLI says so)."""
+    global malformed
     rows = connection.execute(INTENT_SQL).fetchall()
-    return [
-        Fingerprint(
-            int(pid), int(seq), trace or "", template, action, fmt, constraints, parse_minhash_hex(mh)
-        )
-        for pid, seq, trace, template, mh, action, fmt, constraints in rows
-    ]
+    out = []
+    for pid, seq, trace, template, mh, action, fmt, constraints in rows:
+        if not _valid_minhash(mh):
+            malformed += 1
+            continue
+        out.append(Fingerprint(int(pid), int(seq), trace or "", template, action, fmt, constraints,
+                               parse_minhash_hex(mh)))  # fmt: skip
+    return out
+
+
+malformed = 0  # stored intents left out by load(): their MinHash signature is not MINHASH_K x 4 hex digits
+
+
+def _valid_minhash(text) -> bool:
+    if not isinstance(text, str) or len(text) != 4 * MINHASH_K:
+        return False
+    try:
+        int(text, 16)
+    except ValueError:
+        return False
+    return True
 
 
 def assignments(clusters: list[Cluster]) -> dict[tuple[int, int], int]:
