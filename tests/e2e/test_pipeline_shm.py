@@ -95,4 +95,5 @@ def test_close_before_any_poll_still_stores_the_maps_steps(tmp_path):
         workload.stdin.flush()
         workload.wait(timeout=30)
         os.close(ready_r)
-    assert summary.steps_read == 12 and summary.rows_by_table == {"token_steps": 12}
+    # and the model's automatic factors (dtype, quant, tokenizer, vocab, adapters: llmobs.publisher.factors)
+    assert summary.steps_read == 12 and summary.rows_by_table == {"token_steps": 12, "model_factors": 5}

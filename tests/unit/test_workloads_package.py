@@ -23,13 +23,19 @@ def test_the_commands_import_no_workload_side_module():
 
 
 def test_the_module_and_the_launcher_by_path_are_one_program(tmp_path):
-    summaries = []
-    for command in (["-m", "llmobs.workloads"], [str(ROOT / "scripts" / "workload.py")]):
-        done = subprocess.run(
-            [sys.executable, *command, "--model", "tiny", "--requests", "1", "--max-new-tokens", "2",
-             "--threads", "1", "--no-instrument"],
-            capture_output=True, text=True, timeout=300, cwd=tmp_path,
-        )  # fmt: skip
+    """The module generates (its summary line), and the launcher by path is the same program: the same
+    parser, word for word. (The launcher's own full runs are the reliability tests' workloads.)"""
+
+    def run(command: list[str], *args: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, *command, *args], capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path)  # fmt: skip
         assert done.returncode == 0, done.stderr
-        summaries.append(json.loads(done.stdout.splitlines()[-1]))
-    assert [(s["model"], s["requests"], s["tokens"]) for s in summaries] == [("tiny-gpt2", 1, 2)] * 2
+        return done
+
+    module, launcher = ["-m", "llmobs.workloads"], [str(ROOT / "scripts" / "workload.py")]
+    done = run(module, "--model", "tiny", "--requests", "1", "--max-new-tokens", "2", "--threads", "1",
+               "--no-instrument")  # fmt: skip
+    summary = json.loads(done.stdout.splitlines()[-1])
+    assert (summary["model"], summary["requests"], summary["tokens"]) == ("tiny-gpt2", 1, 2)
+    helps = [run(command, "--help").stdout for command in (module, launcher)]
+    assert helps[0].split("\n", 1)[1] == helps[1].split("\n", 1)[1] and "--max-new-tokens" in helps[0]

@@ -17,10 +17,10 @@ Verdicts, in the order they are decided:
 
 Root cause from the replay's full per-head streams (`replay_root_cause`): the target pass's robust z of
 every (layer, head) attention entropy and every layer's MLP output variance against the window's other
-passes. A fault propagates downstream, and a later layer's stream often deviates even more once the
-residual stream has grown: so among the streams whose |z| is at least UPSTREAM_SHARE of the largest, the
-earliest layer names the cause (ties by |z|), the rule llmobs.diagnostics.rootcause applies to sampled
-streams; it uses this one when the store holds a replay of the step.
+passes. Among the streams within UPSTREAM_SHARE of the largest |z| (at least MIN_Z), the earliest layer
+whose MLP output variance is one of them names the cause (else the earliest layer of any of them): a
+fault propagates downstream, and single heads deviate by chance. llmobs.diagnostics.rootcause uses it
+when the store holds a replay of the step.
 """
 
 from __future__ import annotations
@@ -313,16 +313,24 @@ def stream_zs(arrays: dict, target: int, repeat: int = 0) -> list[Stream]:
 
 
 def replay_root_cause(arrays: dict, target: int, repeat: int = 0) -> ReplayRootCause | None:
-    """The stream (kind, layer, head) of the target pass that names the cause: the earliest layer among
-    those deviating from the window's other passes by at least UPSTREAM_SHARE of the largest robust |z|
-    (and |z| >= MIN_Z); None: too few passes, or nothing deviates. The runners-up follow by |z|."""
+    """The stream (kind, layer, head) of the target pass that names the cause (the module docstring's
+    rule: robust z against the window's other passes, |z| >= MIN_Z), or None: too few passes, or
+    nothing deviates. The runners-up follow by |z|."""
     scored = sorted(stream_zs(arrays, target, repeat), key=lambda s: -abs(s[0]))
     if not scored or abs(scored[0][0]) < MIN_Z:
         return None
+    # A fault propagates downstream, and a later layer's stream often deviates more than the faulty
+    # layer's own once the residual stream has grown; single heads deviate by chance too (a head's
+    # entropy can jump on one token). A layer's MLP output variance sums the whole layer, so the layer
+    # named is the earliest whose MLP variance is among the streams within UPSTREAM_SHARE of the largest
+    # |z| (else the earliest layer among them of any kind), and its strongest stream is reported.
     floor = max(MIN_Z, UPSTREAM_SHARE * abs(scored[0][0]))
-    upstream = min((s for s in scored if abs(s[0]) >= floor), key=lambda s: (s[2], -abs(s[0])))
-    scored.remove(upstream)
-    scored.insert(0, upstream)
+    near = [s for s in scored if abs(s[0]) >= floor]
+    layers = [s[2] for s in near if s[1] == KIND_MLP_VARIANCE] or [s[2] for s in near]
+    first = min(layers)
+    named = next(s for s in scored if s[2] == first)  # scored is by |z|: the layer's strongest stream
+    scored.remove(named)
+    scored.insert(0, named)
     z, kind, layer, head, value, median, mad = scored[0]
     others = int(np.isfinite(np.asarray(arrays["loss"][repeat])).sum()) - 1
     runners = tuple((s[1], s[2], s[3], float(s[0])) for s in scored[1:4] if abs(s[0]) >= MIN_Z)
