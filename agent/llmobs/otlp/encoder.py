@@ -660,16 +660,10 @@ class TraceEncoder:
             index = by_trace.get((*key, anomaly["trace_id"]), by_pass.get(key))
             if index is None:
                 continue
-            span_event = Span.Event()
-            span_event.time_unix_nano = int(end_wall[index])
-            span_event.name = ANOMALY_EVENT_NAME
-            for column, name in ANOMALY_ATTRIBUTES:
-                set_attribute(span_event.attributes, name, anomaly[column])
-            set_attribute(
-                span_event.attributes, "llmobs.anomaly.evidence", evidence_summary(anomaly["evidence"])
+            evidence = (("llmobs.anomaly.evidence", evidence_summary(anomaly["evidence"])),)
+            per_span.setdefault(index, []).append(
+                _event_bytes(int(end_wall[index]), ANOMALY_EVENT_NAME, anomaly, ANOMALY_ATTRIBUTES, evidence)
             )
-            raw = span_event.SerializeToString()
-            per_span.setdefault(index, []).append(_T_SPAN_EVENT + wire.varint_bytes(len(raw)) + raw)
         _add_events(span, per_span, n)
 
     def _add_replays(self, span, replays, by_trace, n, end_wall) -> None:
@@ -679,13 +673,9 @@ class TraceEncoder:
             index = by_trace.get((replay["pid"], replay["step_seq"], replay["trace_id"]))
             if index is None:
                 continue
-            span_event = Span.Event()
-            span_event.time_unix_nano = int(end_wall[index])
-            span_event.name = REPLAY_EVENT_NAME
-            for column, name in REPLAY_ATTRIBUTES:
-                set_attribute(span_event.attributes, name, replay[column])
-            raw = span_event.SerializeToString()
-            per_span.setdefault(index, []).append(_T_SPAN_EVENT + wire.varint_bytes(len(raw)) + raw)
+            per_span.setdefault(index, []).append(
+                _event_bytes(int(end_wall[index]), REPLAY_EVENT_NAME, replay, REPLAY_ATTRIBUTES)
+            )
         _add_events(span, per_span, n)
 
     # -- request spans ---------------------------------------------------------------------------------
@@ -770,6 +760,20 @@ def span_count(request: ExportTraceServiceRequest | EncodedTraces) -> int:
     if isinstance(request, EncodedTraces):
         return request.spans
     return sum(len(scope.spans) for rs in request.resource_spans for scope in rs.scope_spans)
+
+
+def _event_bytes(time_unix_nano: int, name: str, row, attributes, extra=()) -> bytes:
+    """One span event as its wire bytes, field tag and length included: `attributes` are (row column,
+    attribute name) pairs, `extra` (attribute name, value) pairs."""
+    event = Span.Event()
+    event.time_unix_nano = time_unix_nano
+    event.name = name
+    for column, attribute in attributes:
+        set_attribute(event.attributes, attribute, row[column])
+    for attribute, value in extra:
+        set_attribute(event.attributes, attribute, value)
+    raw = event.SerializeToString()
+    return _T_SPAN_EVENT + wire.varint_bytes(len(raw)) + raw
 
 
 def _add_events(span, per_span: dict[int, list[bytes]], n: int) -> None:
