@@ -2,15 +2,16 @@
 in one run.
 
     .venv/bin/python -m bench.recorder_cost [--model smollm2|tiny] [--prompt 300] [--tokens 32]
-                                            [--rounds 4] [--window 8] [--json PATH]
+                                            [--every 256,16] [--rounds 4] [--window 8] [--json PATH]
 
 1. Decode step: generate() of --tokens tokens after a --prompt-token prompt, instrument() alone vs
-   instrument(recorder=Recorder(every=256)), rounds interleaved. Per decode step: the wall time (from
-   one pass's start to the next's, the prefill excluded), and the CPU time spent in llmobs' hooks
-   (measure=True), whose difference is the recorder's per-step work (the token id's device copy, the
-   step_seq, the cache-length check); that work is also timed directly, as is the KV snapshot:
-   a 256-position chunk is cloned once per 256 positions (here at the prefill, the prompt being longer),
-   so its cost per decode step is chunk / 256. The target: recorder per step <= 1% of a decode step.
+   instrument(recorder=Recorder(every=E)) for each E in --every, rounds interleaved. Per decode step:
+   the wall time (from one pass's start to the next's, the prefill excluded), and the CPU time spent
+   in llmobs' hooks (measure=True), whose difference is the recorder's per-step work (the token id's
+   device copy, the step_seq, the cache-length check); that work is also timed directly, as is the KV
+   snapshot: an E-position chunk is cloned once per E positions, so its cost per decode step is
+   chunk / E (the median chunk of exactly E positions; the prompt's chunk is longer for E < 256). The
+   target: recorder per step <= 1% of a decode step, for each E.
 2. Live tokens/s while a replay runs: generate() alone vs generate() during a replay of a 2*window+1
    step window (from the nearest snapshot) of the previous round's request on the `llmobs-replay`
    thread (CMD_REPLAY through the real control block, acknowledged at the generate's first step).
@@ -28,7 +29,14 @@ import time
 
 from bench.harness import Arm, Report, add_json_option
 
-RECORDER_EVERY = 256
+RECORDER_EVERY = 256  # the live-during-replay part's interval (the seed's)
+
+
+def intervals(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--every needs positive intervals, comma-separated: {text!r}")
+    return values
 
 
 def _prompt(tokenizer, n: int):
@@ -53,25 +61,34 @@ def bench_decode(args, model, model_id, ids, report: Report) -> None:
     import llmobs
     from llmobs.publisher import recorder as flight
 
-    chunk_ns: list[int] = []  # CPU time of each KV snapshot (its clone()s), on the live thread
-    original = flight.Recording._snapshot
+    chunk_ns: dict[int, list[int]] = {e: [] for e in args.every}  # CPU time of each KV snapshot (its
+    original = flight.Recording._snapshot  # clone()s) on the live thread, by interval
 
     def timed_snapshot(self, cache, length):
+        ends = [c[-1][0] if c else 0 for c in self.chunks]
         t0 = time.thread_time_ns()
         original(self, cache, length)
-        chunk_ns.append(time.thread_time_ns() - t0)
+        spent = time.thread_time_ns() - t0
+        every = self.recorder.options.every
+        grown = [(c[-1][0] if c else 0) - e for c, e in zip(self.chunks, ends, strict=True)]
+        # only chunks of exactly `every` positions: the decode-time ones (the prompt's may be longer)
+        chunk_ns[every].append(spent if set(grown) <= {0, every} and any(grown) else -spent)
+
+    def chunks_total() -> int:
+        return sum(abs(ns) for v in chunk_ns.values() for ns in v)
 
     flight.Recording._snapshot = timed_snapshot
     # the recorder's per-step calls timed directly too (CPU, this thread): less noisy than a difference
-    direct_ns, calls = [0], [0]
+    direct_ns, calls = dict.fromkeys(args.every, 0), dict.fromkeys(args.every, 0)
     originals = {name: getattr(flight.Recording, name) for name in ("token_step", "after_forward")}
 
     def timed(fn):
         def wrapped(self, *a):
-            t0, chunks = time.thread_time_ns(), sum(chunk_ns)
+            t0, chunks = time.thread_time_ns(), chunks_total()
             fn(self, *a)
-            direct_ns[0] += time.thread_time_ns() - t0 - (sum(chunk_ns) - chunks)
-            calls[0] += fn is originals["token_step"]
+            every = self.recorder.options.every
+            direct_ns[every] += time.thread_time_ns() - t0 - (chunks_total() - chunks)
+            calls[every] += fn is originals["token_step"]
 
         return wrapped
 
@@ -83,20 +100,20 @@ def bench_decode(args, model, model_id, ids, report: Report) -> None:
     def stamp(module, args_):
         starts.append(time.perf_counter_ns())
 
-    def arm(with_recorder: bool):
+    def arm(every: int | None):
         def run(ctx) -> dict[str, float]:
-            rec = llmobs.Recorder(every=RECORDER_EVERY) if with_recorder else None
+            rec = llmobs.Recorder(every=every) if every else None
             inst = llmobs.instrument(model, model_id=model_id, measure=True, recorder=rec)
             handle = model.register_forward_pre_hook(stamp)  # after llmobs' own: every pass's start
             starts.clear()
-            chunks_before = sum(chunk_ns)
+            chunks_before = chunks_total()
             try:
                 _generate(model, ids, steps)
             finally:
                 handle.remove()
                 inst.remove()
             decode = [(b - a) / 1e6 for a, b in zip(starts[1:], starts[2:], strict=False)]  # prefill excluded
-            hooks = inst.cpu_ns - (sum(chunk_ns) - chunks_before)  # the snapshot is counted on its own
+            hooks = inst.cpu_ns - (chunks_total() - chunks_before)  # the snapshot is counted on its own
             return {
                 "ms per decode step": sum(decode) / len(decode),
                 "hook CPU us per step": hooks / steps / 1e3,
@@ -104,7 +121,8 @@ def bench_decode(args, model, model_id, ids, report: Report) -> None:
 
         return run
 
-    arms = [Arm("instrument() alone", arm(False)), Arm(f"+ Recorder(every={RECORDER_EVERY})", arm(True))]
+    arms = [Arm("instrument() alone", arm(None))]
+    arms += [Arm(f"+ Recorder(every={e})", arm(e)) for e in args.every]
     title = (f"[decode step, model={args.model}, prompt {ids.shape[1]} tokens, {steps} steps/round, "
              f"rounds={args.rounds}]")  # fmt: skip
     made = report.compare(
@@ -114,20 +132,25 @@ def bench_decode(args, model, model_id, ids, report: Report) -> None:
     for name, fn in originals.items():
         setattr(flight.Recording, name, fn)
     step_ms = made.median(arms[0].name, "ms per decode step")
-    added_us = made.median(arms[1].name, "hook CPU us per step") - made.median(
-        arms[0].name, "hook CPU us per step"
-    )
-    chunk_ms = (sorted(chunk_ns)[len(chunk_ns) // 2] / 1e6) if chunk_ns else float("nan")
-    direct_us = direct_ns[0] / max(calls[0], 1) / 1e3
-    amortised_us = chunk_ms * 1e3 / RECORDER_EVERY
-    per_step_us = direct_us + amortised_us
-    share = per_step_us / (step_ms * 1e3) * 100
-    report.note(f"  recorder hook CPU per decode step: {added_us:.1f} us (median difference of the arms), "
-                f"{direct_us:.1f} us (its calls timed directly, {calls[0]} steps)")  # fmt: skip
-    report.note(f"  KV snapshot chunk of {RECORDER_EVERY} positions: {chunk_ms:.2f} ms CPU (median of "
-                f"{len(chunk_ns)}), {amortised_us:.1f} us per decode step amortised")  # fmt: skip
-    report.note(f"  recorder per decode step (direct + amortised chunk) {per_step_us:.1f} us = "
-                f"{share:.3f}% of a {step_ms:.2f} ms decode step (target <= 1%)")  # fmt: skip
+    for every, recorded in zip(args.every, arms[1:], strict=True):
+        added_us = made.median(recorded.name, "hook CPU us per step") - made.median(
+            arms[0].name, "hook CPU us per step"
+        )
+        chunks = sorted(ns for ns in chunk_ns[every] if ns >= 0)
+        chunk_ms = (chunks[len(chunks) // 2] / 1e6) if chunks else float("nan")
+        direct_us = direct_ns[every] / max(calls[every], 1) / 1e3
+        amortised_us = chunk_ms * 1e3 / every
+        per_step_us = direct_us + amortised_us
+        share = per_step_us / (step_ms * 1e3) * 100
+        tag = f"  every={every}:"
+        report.note(
+            f"{tag} recorder hook CPU per decode step {added_us:.1f} us (median difference of the "
+            f"arms), {direct_us:.1f} us (its calls timed directly, {calls[every]} steps)"
+        )
+        report.note(f"{tag} KV snapshot chunk of {every} positions {chunk_ms:.2f} ms CPU (median of "
+                    f"{len(chunks)}), {amortised_us:.1f} us per decode step amortised")  # fmt: skip
+        report.note(f"{tag} recorder per decode step (direct + amortised chunk) {per_step_us:.1f} us "
+                    f"= {share:.3f}% of a {step_ms:.2f} ms decode step (target <= 1%)")  # fmt: skip
 
 
 def bench_live_during_replay(args, model, model_id, ids, report: Report) -> None:
@@ -210,6 +233,12 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--window", type=int, default=8, help="replayed steps either side of the target")
+    p.add_argument(
+        "--every",
+        type=intervals,
+        default=[256, 16],
+        help="snapshot intervals, one recorder arm each (default 256,16)",
+    )
     add_json_option(p)
     args = p.parse_args()
     if args.tokens <= 2 * args.window + 1:

@@ -44,6 +44,29 @@ class Loop(GreedyLoop):
         return client.wait_ack(seq, timeout=5.0)
 
 
+def test_a_chunk_is_one_copy_of_every_layer_and_per_layer_clones_when_shapes_differ():
+    """_copy_chunk: one tensor holding each layer's (keys, values) of the row's span, equal to the cache
+    and not sharing its memory; layers of different shapes (a model whose layers differ) fall back to a
+    clone per layer, with the same contents and byte count."""
+    gen = torch.Generator().manual_seed(3)
+    same = [
+        (torch.randn(2, 3, 10, 4, generator=gen), torch.randn(2, 3, 10, 4, generator=gen)) for _ in range(5)
+    ]
+    chunk, size = flight._copy_chunk(same, 1, slice(2, 6))
+    assert isinstance(chunk, flight.KvChunk) and len(chunk) == 5 and size == 5 * 2 * 3 * 4 * 4 * 4
+    for (k, v), (ck, cv) in zip(same, (chunk[i] for i in range(5)), strict=True):
+        assert torch.equal(ck, k[1:2, :, 2:6]) and torch.equal(cv, v[1:2, :, 2:6])
+    same[0][0].zero_()
+    assert chunk[0][0].abs().sum() > 0  # a copy, not a view of the live cache
+    with pytest.raises(IndexError):
+        chunk[5]
+    mixed = [*same[:2], (torch.randn(2, 1, 10, 8, generator=gen), torch.randn(2, 1, 10, 8, generator=gen))]
+    chunk, size = flight._copy_chunk(mixed, 0, slice(0, 3))
+    assert isinstance(chunk, list) and size == 2 * (2 * 3 * 3 * 4 * 4) + 2 * (1 * 3 * 8 * 4)
+    assert all(torch.equal(c[0], m[0][0:1, :, 0:3]) and torch.equal(c[1], m[1][0:1, :, 0:3])
+               for c, m in zip(chunk, mixed, strict=True))  # fmt: skip
+
+
 def test_snapshots_are_chunks_of_each_rows_own_positions_and_the_budget_drops_the_oldest_first(shm, smollm2):
     model, tokenizer, model_id = smollm2
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads

@@ -390,7 +390,7 @@ def instrument(
     MLP output variance likewise; layer_streams=llmobs.LayerStreams(every=N, attention=True, mlp=True,
     per_head=False) switches both on together. training=True (or llmobs.TrainingOptions) keeps the gradient of
     the loss w.r.t. the input embeddings of every training step in a device ring (llmobs.publisher.training).
-    recorder=llmobs.Recorder(every=256, budget_mb=512, repeats=2) (or True) keeps each request's token ids
+    recorder=llmobs.Recorder(every=64, budget_mb=512, repeats=2) (or True) keeps each request's token ids
     and chunked KV snapshots so the agent can replay a token step (CMD_REPLAY, llmobs.publisher.recorder).
     Each request's model also gets its factors (llmobs.publisher.factors: adapters, dtype, quant,
     tokenizer, vocab); `factors={"quant": "int4-pc", ...}` adds or overrides them. intent=True (with a

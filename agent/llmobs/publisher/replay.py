@@ -19,8 +19,8 @@ Everything installed here (replay_capture.py) acts on the replay's thread only a
 - the attention wrapper is put in transformers' AttentionInterface under the model's implementation
   name and calls the original untouched for every other thread;
 - the MLP and decoder-layer forward hooks return at once on other threads;
-- the operator recorder (TorchDispatchMode) and the linear counter (TorchFunctionMode) live on mode
-  stacks that are thread-local in PyTorch.
+- the operator recorder (TorchDispatchMode) lives on a mode stack that is thread-local in PyTorch, and
+  inference_mode (which the passes run under) is thread-local too.
 The live publisher's own hooks skip the replay's passes: replay_window marks its thread
 (replay_thread.replaying) and `in_replay_thread()` (re-exported here) says so to hf.py, the layer
 samplers and the serving adapter.
@@ -181,7 +181,7 @@ def replay_window(model, tokens, first_pos: int, last_pos: int, snapshot: KvSnap
         stream = _side_stream(model)
         try:
             capture.install()
-            with replaying(), torch.no_grad(), _stream_context(stream):
+            with replaying(), torch.inference_mode(), _stream_context(stream):
                 return _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture)
         finally:
             capture.remove()
@@ -307,7 +307,7 @@ def _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture) -> Repl
         for j, p in enumerate(positions.tolist()):
             capture.begin_pass()
             try:
-                with capture.ops, capture.linear:
+                with capture.ops:
                     out = _forward(model, cache_kw, ids[p : p + 1], cache, False)
             finally:
                 capture.on = False
