@@ -85,6 +85,28 @@ class CuptiCollector:
         self.sessions = 0
         self.lost_ownership = False
         self.last_error: str | None = None
+        self._claim_lock = threading.Lock()
+
+    # --- who holds CUPTI: one subscriber per process (a live collection, or a replay's session) ------
+    def try_claim(self) -> bool:
+        """Take CUPTI for a collection (False: a live collection or a replay holds it). Atomic, so a
+        CMD_COLLECT_CUPTI on the workload thread and a replay thread never both subscribe."""
+        with self._claim_lock:
+            if self.active:
+                return False
+            self.active = True
+            return True
+
+    def release(self) -> None:
+        """Give CUPTI back (a refused start, the drain thread's end, a replay's end)."""
+        self.active = False
+
+    def load(self):
+        """NVIDIA's cupti module (ImportError when cupti-python is missing)."""
+        return self._load()
+
+    def profiler_running(self) -> bool:
+        return self._profiler_running()
 
     # --- the command handler (workload thread, inside begin_step) ---------------------------------
     def handle(self, writer, steps: int):
@@ -98,10 +120,18 @@ class CuptiCollector:
         return layout.ACK_OK, self.stop
 
     def _start(self, writer, steps: int) -> None:
-        if self.active:
-            raise Refused(layout.ACK_BUSY, "a CUPTI collection is already running in this process")
         if steps < 1:
             raise Refused(layout.ACK_UNSUPPORTED, "asked for 0 steps; ask for at least 1")
+        if not self.try_claim():
+            raise Refused(layout.ACK_BUSY, "a CUPTI collection or a replay's CUPTI session is already "
+                                           "running in this process")  # fmt: skip
+        try:
+            self._subscribe_and_enable(writer)
+        except BaseException:
+            self.release()
+            raise
+
+    def _subscribe_and_enable(self, writer) -> None:
         if self.cupti is None:
             try:
                 self.cupti = self._load()
@@ -128,7 +158,6 @@ class CuptiCollector:
             self._unsubscribe()
             raise _refusal(cupti, exc, "activity_enable") from None
         self.writer = writer
-        self.active = True
         self.sessions += 1
         self._finish = None
         self.lost_ownership = False
@@ -215,7 +244,7 @@ class CuptiCollector:
             finally:
                 self._buffers.clear()
                 self._unsubscribe()
-                self.active = False
+                self.release()
 
     def _drain_session(self) -> None:
         cupti, writer = self.cupti, self.writer

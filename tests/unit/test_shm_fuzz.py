@@ -28,9 +28,10 @@ _HEADER_FIELDS = [
 @pytest.fixture(scope="module")
 def valid_map(tmp_path_factory) -> bytes:
     d = tmp_path_factory.mktemp("fuzz")
-    w = ShmWriter(
-        shm_dir=str(d), names_capacity=4, steps_capacity=16, cupti_capacity=4, model_id="fuzz-model"
-    )
+    # every ring small (the layer and request rings too): each of the 100k mutations copies the map
+    # twice, and at the default capacities (a 388 KiB map) the copies cost more than the reader
+    w = ShmWriter(shm_dir=str(d), names_capacity=4, steps_capacity=16, cupti_capacity=4, layers_capacity=4,
+                  requests_capacity=4, model_id="fuzz-model")  # fmt: skip
     tenant = w.name(layout.NAME_TENANT, "tenant-a")
     for i in range(24):  # wraps the 16-record ring once
         block = torch.tensor([[0.5, 1.0, 0.6, 0.9, 0, 0, 0]], dtype=torch.float32)

@@ -218,6 +218,7 @@ def report_of(conn, ingested, db: str) -> dict:
         "wall_ms": meta.get("wall_ms"),
         "prefill_ms": meta.get("prefill_ms"),
         "model": meta.get("model"),
+        "gpu": gpu_summary(meta.get("cupti")),
         "root_cause": None,
         "trajectory": [],
     }
@@ -267,6 +268,26 @@ def _trajectory(conn, rid: str, target_pass: int | None) -> list[dict]:
     return out
 
 
+CPU_REASON = "the model is not on a CUDA device"  # publisher/recorder.py: nothing to say about a GPU
+
+
+def gpu_summary(cupti: dict | None) -> dict | None:
+    """The replay's CUPTI summary (meta `cupti`, llmobs.cupti.replay_activity) per replayed pass."""
+    if not isinstance(cupti, dict):
+        return None
+    if cupti.get("status") != "collected":
+        return {"status": "off", "reason": str(cupti.get("reason") or "")}
+    kernels = [int(k) for k in cupti.get("kernels") or []]
+    kernel_ns = [int(k) for k in cupti.get("kernel_ns") or []]
+    passes = max(len(kernels), 1)
+    return {
+        "status": "collected", "reason": "", "kernels": kernels, "kernel_ns": kernel_ns,
+        "kernels_per_pass": sum(kernels) / passes, "kernel_us_per_pass": sum(kernel_ns) / passes / 1e3,
+        "top_kernels": list(cupti.get("top_kernels") or []), "other_records": cupti.get("other_records", 0),
+        "dropped_records": cupti.get("dropped_records", 0),
+    }  # fmt: skip
+
+
 def _num(value, fmt: str = ".6f") -> str:
     if value is None or (isinstance(value, float) and not np.isfinite(value)):
         return "-"
@@ -293,6 +314,13 @@ def print_report(report: dict, out=None) -> None:
             f" model {r['model']}\n"
         )
         w(f"  op graph {r['op_graph_hash']}, {r['linear_calls']} F.linear calls per pass\n")
+        gpu = r.get("gpu")
+        if gpu and gpu["status"] == "collected":
+            top = ", ".join(f"{k['name'][:40]} {k['ns'] / 1e3:,.0f} us" for k in gpu["top_kernels"][:3])
+            w(f"  GPU (CUPTI): {gpu['kernels_per_pass']:.0f} kernels and {gpu['kernel_us_per_pass']:,.1f} us "
+              f"of kernel time per replayed pass; top: {top or '-'}\n")  # fmt: skip
+        elif gpu and gpu.get("reason") and gpu["reason"] != CPU_REASON:
+            w(f"  GPU (CUPTI): not collected: {gpu['reason']}\n")
     if r["first_diverging_layer"] is not None:
         w(f"  first diverging layer: {r['first_diverging_layer']} (cause: {r['cause']})\n")
     rc = r["root_cause"]

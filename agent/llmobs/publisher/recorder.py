@@ -574,17 +574,43 @@ class FlightRecorder:
 
     def _replay(self, tokens: np.ndarray, first_pos: int, last_pos: int, snapshot):
         """replay_window runs on a CUDA stream of its own (waiting, device-side, for the live stream's
-        snapshot copies) and synchronises it before it returns: the job's tensors outlive its use."""
+        snapshot copies) and synchronises it before it returns: the job's tensors outlive its use.
+        On a GPU the replayed passes' CUPTI activity goes into the meta's `cupti` (replay_activity)."""
         import torch
 
-        ids = torch.as_tensor(tokens, dtype=torch.long, device=_model_device(self.model))
-        with replaying():  # the live hooks skip this thread's passes
-            return replay.replay_window(self.model, ids, first_pos, last_pos, snapshot, self.options.repeats)
+        device = _model_device(self.model)
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
+        activity, reason = _replay_activity(device)
+        try:
+            with replaying():  # the live hooks skip this thread's passes
+                result = replay.replay_window(self.model, ids, first_pos, last_pos, snapshot,
+                                              self.options.repeats, activity=activity)  # fmt: skip
+        except BaseException:
+            if activity is not None:
+                activity.finish(0)  # gives CUPTI back
+            raise
+        if activity is not None:
+            result.meta["cupti"] = activity.finish(int(result.loss.size))
+        else:
+            result.meta["cupti"] = {"status": "off", "reason": reason}
+        return result
 
     def stop(self) -> None:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+
+
+def _replay_activity(device):
+    """(ReplayActivity, "") on a CUDA device whose process has the CUPTI collector, else (None, why)."""
+    if device.type != "cuda":
+        return None, "the model is not on a CUDA device"
+    try:
+        import llmobs.cupti as cupti_package
+        from llmobs.cupti.replay_activity import ReplayActivity
+    except ImportError as exc:
+        return None, f"llmobs.cupti is not importable ({exc})"
+    return ReplayActivity.start(cupti_package.installed())
 
 
 def _model_device(model):

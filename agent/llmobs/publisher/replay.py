@@ -84,7 +84,7 @@ class ReplayResult:
     ("snapshot" | "prompt"), snapshot_len, snapshot_dropped, model, layers, heads, repeats, wall_ms,
     prefill_ms, t_start_ns, t_end_ns (CLOCK_MONOTONIC), attn_implementations (what the passes ran);
     the recorder adds pid, trace_id, target_step_seq, target_batch_row, target_index, window,
-    live_batch_size, recorder."""
+    live_batch_size, recorder, cupti (llmobs.cupti.replay_activity's per-pass summary, or why not)."""
 
     meta: dict
     positions: np.ndarray
@@ -161,20 +161,23 @@ _lock = threading.Lock()
 
 
 def replay_window(model, tokens, first_pos: int, last_pos: int, snapshot: KvSnapshot | None = None,
-                  repeats: int = 2) -> ReplayResult:  # fmt: skip
+                  repeats: int = 2, activity=None) -> ReplayResult:  # fmt: skip
     """Replay positions [first_pos, last_pos] of one request `repeats` times; see the module docstring.
 
     tokens: 1-D LongTensor (or int sequence) of the whole known sequence (no padding); snapshot: the
     keys/values of positions [0, snapshot.length) with length <= first_pos, or None (from position 0).
     The loss at p is NaN when tokens[p + 1] is not known. Bad arguments raise ValueError (the caller,
     recorder.py's replay thread, turns any exception into a "failed" result file). `prefill_ms` in the
-    meta is the prefill time of all repeats together (wall_ms - prefill_ms: the replayed passes)."""
+    meta is the prefill time of all repeats together (wall_ms - prefill_ms: the replayed passes).
+    activity: a started ReplayActivity (llmobs.cupti.replay_activity) or None; replayed pass k of repeat
+    rep is bracketed as pass rep * n + k (n passes a repeat), the capture's own ops left outside."""
     import torch
 
     ids = _token_ids(tokens)
     _check_window(ids, first_pos, last_pos, snapshot, repeats)
     with _lock:
         capture = Capture(model)
+        capture.activity = activity
         if snapshot is not None and snapshot.length and len(snapshot.layers) != capture.n_layers:
             raise ValueError(f"replay_window: the snapshot has {len(snapshot.layers)} layers, the model "
                              f"{capture.n_layers}")  # fmt: skip
@@ -306,11 +309,16 @@ def _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture) -> Repl
             prefill_ns += time.monotonic_ns() - t0
         for j, p in enumerate(positions.tolist()):
             capture.begin_pass()
+            activity = capture.activity
+            if activity is not None:
+                activity.pass_begin(rep * n + j)
             try:
                 with capture.ops:
                     out = _forward(model, cache_kw, ids[p : p + 1], cache, False)
             finally:
                 capture.on = False
+                if activity is not None:
+                    activity.pass_end()
             with capture.ops.paused():  # nothing below is the model's
                 prepared = prepare(out.logits[:, -1])  # Request.step's definitions (device_math)
                 lp = prepared.lp[0]

@@ -16,6 +16,7 @@ torch call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 
@@ -73,6 +74,7 @@ class Capture:
         self.heads = int(getattr(config, "num_attention_heads", 0) or 0)
         self.impls: set[str] = set()
         self.ops = op_recorder()
+        self.activity = None  # a ReplayActivity (llmobs.cupti) on a GPU with CUPTI, else None
         self._handles: list = []
         self._attention_entry = None  # (table, key, had_local, previous local value)
         self._op_texts: dict = {}
@@ -85,6 +87,16 @@ class Capture:
 
     def _mine(self) -> bool:
         return self.on and threading.get_ident() == self.ident
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """Our own ops inside a pass: off the operator recorder and outside the pass's CUPTI id."""
+        with self.ops.paused():
+            if self.activity is None:
+                yield
+                return
+            with self.activity.outside_the_pass():
+                yield
 
     # --- install / remove ---------------------------------------------------------------------------
     def install(self) -> None:
@@ -129,7 +141,7 @@ class Capture:
             if self._mine():
                 i = self.attn_index.get(id(module))
                 if i is not None:
-                    with self.ops.paused():
+                    with self.measuring():
                         self.attn[i] = _newest_query_entropy_qk(query, key_states, attention_mask,
                                                                 kwargs.get("scaling"))  # fmt: skip
             return out
@@ -147,7 +159,7 @@ class Capture:
             if weights is not None:  # eager attention: its own probabilities, as the live sampler reads them
                 from llmobs.publisher.attention import newest_query_entropy
 
-                with self.ops.paused():
+                with self.measuring():
                     self.attn[index] = newest_query_entropy(weights)[0]
 
         return hook
@@ -157,7 +169,7 @@ class Capture:
             if self._mine():
                 from llmobs.publisher.layers import newest_position_variance
 
-                with self.ops.paused():
+                with self.measuring():
                     self.mlp[index] = newest_position_variance(output)[0]
 
         return hook
@@ -166,7 +178,7 @@ class Capture:
         def hook(module, args, output):
             if self._mine():
                 hidden = output[0] if isinstance(output, tuple) else output
-                with self.ops.paused():
+                with self.measuring():
                     self.out[index] = hidden.detach().reshape(-1).clone()
 
         return hook
