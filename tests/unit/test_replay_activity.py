@@ -159,7 +159,8 @@ def test_replay_window_brackets_each_replayed_pass_once_in_order_with_the_captur
 def _report(gpu) -> dict:
     """The smallest report `replay` prints: an ok replay with no root cause and no trajectory."""
     return {"verdict": "reproduced", "detail": "d", "replay_id": "r", "step": 5, "step_seq": 9,
-            "batch_row": 0, "trace_id": "t", "pid": 1, "status": "ok", "source": "prompt", "snapshot_len": 0, "repeats": 2,
+            "batch_row": 0, "trace_id": "t", "pid": 1, "status": "ok", "source": "prompt", "snapshot_len": 0,
+            "repeats": 2,
             "wall_ms": 10.0, "prefill_ms": 1.0, "live_batch_size": 1, "model": "m", "op_graph_hash": "00",
             "linear_calls": 14, "gpu": gpu, "first_diverging_layer": None, "root_cause": None,
             "trajectory": [], "db": "s.duckdb"}  # fmt: skip
