@@ -14,7 +14,7 @@ import pytest
 import torch
 from llmobs.errors import MalformedMap
 from llmobs.shm import layout
-from llmobs.shm.reader import parse_buffer
+from llmobs.shm.reader import _sane_steps, parse_buffer
 from llmobs.shm.writer import ShmWriter
 
 N_MAPS = 100_000
@@ -145,3 +145,23 @@ def test_100k_malformed_maps_never_crash(valid_map):
     assert not failures, failures
     assert outcomes["ok"] + outcomes["malformed"] == N_MAPS
     assert outcomes["malformed"] > N_MAPS // 4 and outcomes["ok"] > N_MAPS // 10, outcomes
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "sane"),
+    [
+        ("step_seq", 0, False), ("step_seq", 1, True), ("step_seq", (1 << 63) - 1, True),
+        ("step_seq", 1 << 63, False), ("step_seq", (1 << 64) - 1, False),
+        ("t_end_ns", 0, False), ("t_end_ns", 1 << 63, False), ("t_start_ns", 0, True),
+        ("batch_row", -1, False), ("batch_row", 0, True), ("kv_len", -1, True), ("kv_len", -2, False),
+        ("target_rank", -2, False), ("token_id", -2, False), ("target_id", -1, True),
+        ("target_id", -2, False),
+        ("flags", layout.FLAG_HAS_TARGET | layout.FLAG_SHADOW, True), ("flags", 1 << 31, False),
+    ],
+)  # fmt: skip
+def test_a_record_is_sane_exactly_at_each_fields_bounds(valid_map, field, value, sane):
+    """One record of the valid map with one field at a bound: kept, or counted corrupt and left out."""
+    view, batch = parse_buffer(valid_map)
+    recs = batch.raw.copy()
+    recs[3][field] = value
+    assert _sane_steps(recs).tolist() == [i != 3 or sane for i in range(len(recs))]
