@@ -33,7 +33,7 @@ from bench.held_workload import read_json_line
 from bench.rotel_harness import Rotel, wait_until
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
-OUTAGE_S = 20.0
+OUTAGE_S = 10.0  # >= 5 failed attempts at these backoffs (0.2 s doubling to 1 s)
 BATCH_SPANS = 256
 RSS_GROWTH_BOUND = 64 << 20  # over the outage; docs/reliability.md: the same window, collector up
 
