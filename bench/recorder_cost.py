@@ -12,7 +12,8 @@ in one run.
    snapshot: an E-position chunk is cloned once per E positions, so its cost per decode step is
    chunk / E (the median chunk of exactly E positions; the prompt's chunk is longer for E < 256). The
    target: recorder per step <= 1% of a decode step, for each E.
-2. Live tokens/s while a replay runs: generate() alone vs generate() during a replay of a 2*window+1
+2. Live tokens/s while a replay runs: generate() alone vs generate() during a replay, at each
+   Recorder.replay_share in --shares (1: unpaced; 0.5: the default), of a 2*window+1
    step window (from the nearest snapshot) of the previous round's request on the `llmobs-replay`
    thread (CMD_REPLAY through the real control block, acknowledged at the generate's first step).
    tokens/s counts only the live steps that ran while the replay was running (each step's start is
@@ -23,6 +24,7 @@ torch runs one intra-op thread (both threads share the machine's cores as a serv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import tempfile
 import time
@@ -172,13 +174,16 @@ def bench_live_during_replay(args, model, model_id, ids, report: Report) -> None
 
     handle = model.register_forward_pre_hook(stamp, with_kwargs=True)
     client = ControlClient(os.getpid(), os.path.dirname(writer_module.get_writer().path))
-    replay_ms: list[float] = []
+    replay_ms: dict[float, list[float]] = {}
     _generate(model, ids, args.tokens)  # a recorded request to replay (and warm-up)
 
-    def arm(with_replay: bool):
+    def arm(share: float | None):
+        with_replay = share is not None
+
         def run(ctx) -> dict[str, float] | None:
             stamps.clear()
             if with_replay:
+                rec.options = dataclasses.replace(rec.options, replay_share=share)
                 last = list(rec._recordings.values())[-1]
                 target = int(last.step_seq[last.n - 1 - args.window])  # a window near its end
                 seq = client.post(layout.CMD_REPLAY, layout.replay_arg(target, 0, args.window))
@@ -188,7 +193,7 @@ def bench_live_during_replay(args, model, model_id, ids, report: Report) -> None
                 if ack["ack_seq"] != seq or ack["ack_status"] != layout.ACK_OK:
                     raise RuntimeError(f"CMD_REPLAY was not acknowledged OK: {ack}")
                 rec.wait_idle(600)
-                replay_ms.append(_wall_ms(rec.last_result))
+                replay_ms.setdefault(share, []).append(_wall_ms(rec.last_result))
             chosen = [t for t, busy in stamps if busy] if with_replay else [t for t, _ in stamps]
             if len(chosen) < 3:
                 return {"live tokens/s": float("nan"), "steps measured": len(chosen)}
@@ -197,15 +202,15 @@ def bench_live_during_replay(args, model, model_id, ids, report: Report) -> None
 
         return run
 
-    arms = [Arm("generate() alone", arm(False)), Arm("generate() while a replay runs", arm(True))]
+    arms = [Arm("generate() alone", arm(None))]
+    arms += [Arm(f"generate() during a replay, share {share:g}", arm(share)) for share in args.shares]
     title = (f"[live decode during a replay, window +-{args.window} from a snapshot, repeats 2, "
              f"{args.tokens} tokens/round, rounds={args.rounds}]")  # fmt: skip
     report.compare(title, arms, args.rounds, metrics=["live tokens/s", "steps measured"],
                    better={"live tokens/s": "higher"})  # fmt: skip
-    if replay_ms:
-        report.note(
-            f"  replay wall (median of {len(replay_ms)}): {sorted(replay_ms)[len(replay_ms) // 2]:.0f} ms"
-        )
+    for share, walls in replay_ms.items():
+        report.note(f"  replay wall at share {share:g} (median of {len(walls)}): "
+                    f"{sorted(walls)[len(walls) // 2]:.0f} ms")  # fmt: skip
     handle.remove()
     client.close()
     inst.remove()
@@ -233,6 +238,12 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32, help="decode steps per round")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--window", type=int, default=8, help="replayed steps either side of the target")
+    p.add_argument(
+        "--shares",
+        type=lambda text: [float(v) for v in text.split(",")],
+        default=[1.0, 0.5],
+        help="Recorder.replay_share of each replay arm (default 1,0.5)",
+    )
     p.add_argument(
         "--every",
         type=intervals,

@@ -74,7 +74,10 @@ _FIRST_CAPACITY = 256  # token steps a request's buffer starts with; doubled as 
 @dataclass(frozen=True)
 class Recorder:
     """The flight recorder's policy: a KV snapshot every `every` positions, at most `budget_mb` of them,
-    `repeats` replays of each window, at most `keep_ended` ended requests kept replayable."""
+    `repeats` replays of each window, at most `keep_ended` ended requests kept replayable, and a replay
+    working at most `replay_share` of its wall time (after each pass it waits pass time x (1 / share - 1)):
+    the replay's Python holds the GIL the live threads need, so its share bounds what it takes from them
+    (1.0: as fast as it can)."""
 
     # 64, not the seed's 256: chunks make the bytes the same for any interval, and on a CPU the prefill
     # from the snapshot dominates a replay (2,048 positions: 4.3x faster than from the prompt at 64,
@@ -83,6 +86,7 @@ class Recorder:
     budget_mb: float = 512
     repeats: int = 2
     keep_ended: int = 64
+    replay_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -93,6 +97,8 @@ class Recorder:
             raise ValueError(f"Recorder(repeats={self.repeats}): repeats must be in 1..16")
         if self.keep_ended < 1:
             raise ValueError(f"Recorder(keep_ended={self.keep_ended}): keep_ended must be >= 1")
+        if not 0.05 <= self.replay_share <= 1.0:
+            raise ValueError(f"Recorder(replay_share={self.replay_share}): replay_share must be in 0.05..1")
 
     @property
     def budget_bytes(self) -> int:
@@ -378,6 +384,7 @@ class FlightRecorder:
         self.busy = False
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self.paced_s = 0.0  # seconds replays waited to keep within replay_share
 
     # --- the registry ---------------------------------------------------------------------------------
     def open(self, prompts: list[np.ndarray], trace_ids: list[str], batch_size: int,
@@ -453,7 +460,8 @@ class FlightRecorder:
             "requests_recorded": self.requests_recorded, "requests_evicted": self.requests_evicted,
             "tokens_capped": self.tokens_capped, "refused_busy": self.refused_busy,
             "refused_unknown": self.refused_unknown, "replays_started": self.replays_started,
-            "replays_failed": self.replays_failed,
+            "replays_failed": self.replays_failed, "replay_share": self.options.replay_share,
+            "paced_s": round(self.paced_s, 3),
         }  # fmt: skip
 
     # --- the command (the live thread, at a step boundary: look up and hand over, nothing more) --------
@@ -584,7 +592,8 @@ class FlightRecorder:
         try:
             with replaying():  # the live hooks skip this thread's passes
                 result = replay.replay_window(self.model, ids, first_pos, last_pos, snapshot,
-                                              self.options.repeats, activity=activity)  # fmt: skip
+                                              self.options.repeats, activity=activity,
+                                              pace=self._pace)  # fmt: skip
         except BaseException:
             if activity is not None:
                 activity.finish(0)  # gives CUPTI back
@@ -599,6 +608,25 @@ class FlightRecorder:
         with self._cv:
             self._stopped = True
             self._cv.notify_all()
+
+    def _pace(self, work_s: float) -> None:
+        """After `work_s` seconds of replay work: wait so that work stays within replay_share of the
+        wall time (at most MAX_PACE_S a wait; a stop() ends the wait at once)."""
+        wait = pace_wait(work_s, self.options.replay_share)
+        if wait > 0:
+            self.paced_s += wait
+            with self._cv:
+                self._cv.wait_for(lambda: self._stopped, wait)
+
+
+MAX_PACE_S = 5.0  # a single wait, whatever one pass cost
+
+
+def pace_wait(work_s: float, share: float) -> float:
+    """The wait after `work_s` of work that keeps work at `share` of the wall time: work x (1/share - 1)."""
+    if share >= 1.0 or work_s <= 0:
+        return 0.0
+    return min(MAX_PACE_S, work_s * (1.0 / share - 1.0))
 
 
 def _replay_activity(device):

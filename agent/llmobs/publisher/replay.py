@@ -161,7 +161,7 @@ _lock = threading.Lock()
 
 
 def replay_window(model, tokens, first_pos: int, last_pos: int, snapshot: KvSnapshot | None = None,
-                  repeats: int = 2, activity=None) -> ReplayResult:  # fmt: skip
+                  repeats: int = 2, activity=None, pace=None) -> ReplayResult:  # fmt: skip
     """Replay positions [first_pos, last_pos] of one request `repeats` times; see the module docstring.
 
     tokens: 1-D LongTensor (or int sequence) of the whole known sequence (no padding); snapshot: the
@@ -170,7 +170,9 @@ def replay_window(model, tokens, first_pos: int, last_pos: int, snapshot: KvSnap
     recorder.py's replay thread, turns any exception into a "failed" result file). `prefill_ms` in the
     meta is the prefill time of all repeats together (wall_ms - prefill_ms: the replayed passes).
     activity: a started ReplayActivity (llmobs.cupti.replay_activity) or None; replayed pass k of repeat
-    rep is bracketed as pass rep * n + k (n passes a repeat), the capture's own ops left outside."""
+    rep is bracketed as pass rep * n + k (n passes a repeat), the capture's own ops left outside.
+    pace: None or a callable given the seconds each prefill and each pass took, after it (the recorder
+    waits there to keep within its replay_share); its waits are not in prefill_ms."""
     import torch
 
     ids = _token_ids(tokens)
@@ -185,7 +187,7 @@ def replay_window(model, tokens, first_pos: int, last_pos: int, snapshot: KvSnap
         try:
             capture.install()
             with replaying(), torch.inference_mode(), _stream_context(stream):
-                return _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture)
+                return _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture, pace)
         finally:
             capture.remove()
             if stream is not None:
@@ -279,7 +281,7 @@ def _forward(model, cache_kw: str, ids, cache, keep_one: bool):
     return model(**kwargs)
 
 
-def _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture) -> ReplayResult:
+def _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture, pace=None) -> ReplayResult:
     import time
 
     import torch
@@ -307,7 +309,10 @@ def _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture) -> Repl
             _forward(model, cache_kw, ids[length:first_pos], cache, keep_one)
             _sync(device)
             prefill_ns += time.monotonic_ns() - t0
+            if pace is not None:
+                pace((time.monotonic_ns() - t0) / 1e9)
         for j, p in enumerate(positions.tolist()):
+            t_pass = time.monotonic_ns()
             capture.begin_pass()
             activity = capture.activity
             if activity is not None:
@@ -341,6 +346,8 @@ def _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture) -> Repl
             arrays["linear_calls"][rep, j] = linear
             if rep == 0 and j == 0:
                 ops_text = op_text
+            if pace is not None:
+                pace((time.monotonic_ns() - t_pass) / 1e9)
         del cache
     if r >= 2:
         for j in range(n):
