@@ -324,17 +324,17 @@ def _replay(model, ids, first_pos, last_pos, snapshot, repeats, capture, pace=No
                 capture.on = False
                 if activity is not None:
                     activity.pass_end()
-            with capture.ops.paused():  # nothing below is the model's
-                prepared = prepare(out.logits[:, -1])  # Request.step's definitions (device_math)
-                lp = prepared.lp[0]
-                loss = -lp[ids[p + 1]] if p + 1 < len(ids) else torch.full((), float("nan"), device=device)
-                entropy = -prepared.neg_entropy[0, 0]
-                top = lp.topk(TOP_K)
-                head = torch.stack([loss.float(), entropy.float()]).cpu().numpy()
-                arrays["loss"][rep, j], arrays["entropy"][rep, j] = head
-                arrays["top5_ids"][rep, j] = top.indices.cpu().numpy()
-                arrays["top5_probs"][rep, j] = top.values.exp().cpu().numpy()
-                attn, mlp, layer_bytes, layer_float = capture.end_pass()
+            # the recorder is off the stack here (it is entered around the forward only)
+            prepared = prepare(out.logits[:, -1])  # Request.step's definitions (device_math)
+            lp = prepared.lp[0]
+            loss = -lp[ids[p + 1]] if p + 1 < len(ids) else torch.full((), float("nan"), device=device)
+            entropy = -prepared.neg_entropy[0, 0]
+            top = lp.topk(TOP_K)
+            head = torch.stack([loss.float(), entropy.float()]).cpu().numpy()
+            arrays["loss"][rep, j], arrays["entropy"][rep, j] = head
+            arrays["top5_ids"][rep, j] = top.indices.cpu().numpy()
+            arrays["top5_probs"][rep, j] = top.values.exp().cpu().numpy()
+            attn, mlp, layer_bytes, layer_float = capture.end_pass()
             arrays["attn_entropy"][rep, j] = attn
             arrays["mlp_var"][rep, j] = mlp
             arrays["fingerprint"][rep, j] = [_fingerprint(row) for row in layer_bytes]

@@ -498,14 +498,11 @@ class MapView:
         return StepBatch(self.decode_steps(recs), got.lost, corrupt, got.next_cursor, recs)
 
     def decode_steps(self, recs: np.ndarray) -> dict[str, list | np.ndarray]:
-        n = len(recs)
-        if n == 0 and self._no_steps is not None:  # an idle poll: the empty columns, built once
-            return {k: [] if isinstance(v, list) else v for k, v in self._no_steps.items()}
-        columns = self._decode_steps(recs)
-        if n == 0:
-            self._no_steps = columns
-            return self.decode_steps(recs)
-        return columns
+        if len(recs):
+            return self._decode_steps(recs)
+        if self._no_steps is None:  # an idle poll: the empty columns, built once (fresh lists each time)
+            self._no_steps = self._decode_steps(recs)
+        return {k: [] if isinstance(v, list) else v for k, v in self._no_steps.items()}
 
     def _decode_steps(self, recs: np.ndarray) -> dict[str, list | np.ndarray]:
         pid = self.header["writer_pid"]
