@@ -25,13 +25,14 @@ from collections import Counter
 from pathlib import Path
 
 import duckdb
+from llmobs.otlp.config import OtlpConfig
 from test_attach import Agent
 
 from bench.held_workload import read_json_line
 from bench.rotel_harness import Rotel, wait_until
 
 WORKLOAD = Path(__file__).resolve().parents[2] / "scripts" / "workload.py"
-BATCH_SPANS = 512  # OtlpConfig.batch_spans default: the most one lost ack can make us re-send
+BATCH_SPANS = OtlpConfig().batch_spans  # the default: the most one lost ack can make us re-send
 KEY = "pid, step_seq, batch_row"
 
 

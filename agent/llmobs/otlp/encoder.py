@@ -507,19 +507,24 @@ class TraceEncoder:
                     _T_SCOPE_SPANS_SPAN + wire.varint_bytes(len(raw)) + raw
                 )
                 request_model.setdefault(row["pid"], row["model_id"])
-        out = []
+        # The request is written by one join: the span bytes (a few MB) are copied once, the envelopes'
+        # length prefixes computed from the parts' lengths instead of by wrapping bytes in bytes.
+        out: list[bytes | memoryview] = []
+        spans_view = memoryview(span_bytes)
         for pid in [*first_row, *(p for p in requests_of if p not in first_row)]:
             model = model_of[pid] if pid in first_row else request_model[pid]
             resource = Resource()
             resource.attributes.extend(key_values(self.resource(pid, batch.processes.get(pid, {}), model)))
-            parts = [self._scope_field]
+            parts: list[bytes | memoryview] = [self._scope_field]
             if pid in first_row:
                 lo, hi = span_offsets[first_row[pid]], span_offsets[last_row[pid] + 1]
-                parts.append(span_bytes[lo:hi].tobytes())
+                parts.append(spans_view[lo:hi])
             parts.extend(requests_of.get(pid, ()))
-            scope_spans = b"".join(parts)
-            resource_spans = _field(1, resource.SerializeToString()) + _field(2, scope_spans)
-            out.append(_field(1, resource_spans))
+            scope_length = sum(len(part) for part in parts)
+            resource_field = _field(1, resource.SerializeToString())
+            scope_head = wire.tag(2, 2) + wire.varint_bytes(scope_length)
+            resource_length = len(resource_field) + len(scope_head) + scope_length
+            out += [wire.tag(1, 2) + wire.varint_bytes(resource_length), resource_field, scope_head, *parts]
         return EncodedTraces(b"".join(out), batch.span_count)
 
     # -- token-step spans, in bulk -------------------------------------------------------------------
@@ -578,21 +583,20 @@ class TraceEncoder:
 
     def _add_rollups(self, span: wire.Pieces, batch: StepBatch, pid: np.ndarray, seq: np.ndarray) -> None:
         """The forward pass's rollup attributes on each of its rows (absent until correlate ran)."""
-        if not batch.rollups:
+        table = batch.rollups
+        if table is None or not table.num_rows:
             return
-        keys = list(batch.rollups)
         n = len(pid)
-        rollup_pid = np.array([k[0] for k in keys], np.int64)
-        rollup_seq = np.array([k[1] for k in keys], np.int64)
+        rollup_pid = table.column("pid").to_numpy().astype(np.int64)
+        rollup_seq = table.column("step_seq").to_numpy().astype(np.int64)
         ids = key_ids(np.r_[pid, rollup_pid], np.r_[seq, rollup_seq])
         # the rollup of each key (keys are unique: one per pass), then of each step's key
         of_key = np.full(int(ids.max()) + 1, -1, np.int64)
-        of_key[ids[n:]] = np.arange(len(keys))
+        of_key[ids[n:]] = np.arange(table.num_rows)
         which = of_key[ids[:n]]
         has = which >= 0
         if not has.any():
             return
-        table = pa.Table.from_pylist([batch.rollups[key] for key in keys])
         take = pa.array(np.where(has, which, 0))
         for column, name in ROLLUP_ATTRIBUTES:
             values = table.column(column).take(take)

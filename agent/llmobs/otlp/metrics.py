@@ -229,8 +229,13 @@ class MetricsAggregator:
         else:
             first_span, owned = {}, set()
             exemplar = None
-        counted = [(key, rollup) for key, rollup in batch.rollups.items() if key in owned]
+        rollups = batch.rollups
+        counted: list[tuple[tuple[int, int], int]] = []  # (pass key, its row of the rollups table)
+        if rollups is not None and rollups.num_rows and owned:
+            keys = zip(rollups.column("pid").to_pylist(), rollups.column("step_seq").to_pylist(), strict=True)
+            counted = [(key, row) for row, key in enumerate(keys) if key in owned]
         if counted:
+            rows = [row for _, row in counted]
             index_of = np.array([first_span.get(key, -1) for key, _ in counted], dtype=np.int64)
             has_span = index_of >= 0
             positions = np.arange(len(counted))
@@ -242,7 +247,9 @@ class MetricsAggregator:
                 ("launches", "llmobs.step.launches"),
                 ("allocations", "llmobs.step.allocations"),
             ):
-                values = np.array([float(rollup[column] or 0) for _, rollup in counted], dtype=np.float64)
+                values = np.nan_to_num(
+                    rollups.column(column).take(rows).to_numpy(zero_copy_only=False).astype(np.float64)
+                )  # NULL (no events of the kind) counts as 0, as before
                 point = self._hist(name, (), COUNT_BOUNDS)
                 _record_many(point, values, positions, has_span, pass_exemplar)
         for row in batch.gpu_time:
