@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,15 +34,27 @@ from pathlib import Path
 from bench.harness import Report, add_json_option
 from bench.runtime import REPO, arm, byte_compiled, ensure_baseline, otlp_collector, selected_figures
 
-PREVIOUS_RELEASE = "6bfae97"
+PREVIOUS_RELEASE = "6bfae97"  # the worktree made when none is there (the tree before issue 14)
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
 FIGURES = ("rss", "attach", "otlp", "ingest", "slowdown")
-BETTER = {"RSS idle MB": "lower", "RSS at rate MB": "lower", "agent CPU %": "lower", "first event s": "lower",
+BETTER = {"RSS idle MB": "lower", "RSS at rate MB": "lower", "RSS idle: anon MB": "lower",
+          "RSS idle: file MB": "lower", "RSS at rate: anon MB": "lower", "RSS at rate: file MB": "lower",
+          "agent CPU %": "lower", "first event s": "lower",
           "CPU ms/1k spans": "lower", "spans/s": "higher", "events/s": "higher", "events/CPU-s": "higher",
           "tokens/s": "higher"}  # fmt: skip
-SHOWN = {"rss": ["RSS idle MB", "RSS at rate MB", "agent CPU %"], "attach": ["first event s"],
+SHOWN = {"rss": ["RSS idle MB", "RSS at rate MB", "RSS idle: anon MB", "RSS idle: file MB",
+                 "RSS at rate: anon MB", "RSS at rate: file MB", "agent CPU %"],
+         "attach": ["first event s"],
          "otlp": ["CPU ms/1k spans", "spans/s"], "ingest": ["events/s", "events/CPU-s"],
          "slowdown": ["tokens/s"]}  # fmt: skip
+
+
+def tree_commit(tree: Path) -> str:
+    """The short commit a worktree is at (what its arm measures), or "?" outside git."""
+    done = subprocess.run(
+        ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    )
+    return done.stdout.strip() or "?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"before": baseline, "after": args.candidate}
     byte_compiled(*trees.values())
     report = Report("footprint", args)
-    report.note(f"before: {baseline} ({PREVIOUS_RELEASE})  after: {args.candidate}")
+    report.note(f"before: {baseline} ({tree_commit(baseline)})  after: {args.candidate}")
     opts = {"rss": {"rate": args.rate, "seconds": args.seconds, "idle_s": args.idle_s},
             "attach": {"duration": 3.0}, "otlp": {"steps": args.steps},
             "ingest": {"events": args.events, "drain_events": 20_000}}  # fmt: skip

@@ -19,3 +19,11 @@ def cpu_seconds(pid: int) -> float:
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/statm") as handle:
         return int(handle.read().split()[1]) * PAGE
+
+
+def rss_parts(pid: int) -> dict[str, int]:
+    """RssAnon and RssFile of `pid` in bytes (/proc/PID/status): the process's own memory, and the pages
+    of files (libraries, the ring's mapping) it has mapped."""
+    with open(f"/proc/{pid}/status") as handle:
+        fields = dict(line.split(":", 1) for line in handle.read().splitlines() if ":" in line)
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("RssAnon", "RssFile")}

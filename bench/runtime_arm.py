@@ -179,8 +179,9 @@ def resident(opts: dict) -> dict:
     --overhead-budget 0` (every event stored, nothing shed) sampled from /proc once a second, first while
     the target waits (idle: nothing to drain), then while it makes `rate` events/s for `seconds`.
     Figures: RSS idle (the last idle sample), RSS at rate (the largest sample in the second half of the
-    loaded phase, when DuckDB's buffers have filled), and the agent's CPU as % of a core under load."""
-    from bench.procstat import cpu_seconds, rss_bytes
+    loaded phase, when DuckDB's buffers have filled), the anonymous and file parts of the idle one, and
+    the agent's CPU as % of a core under load."""
+    from bench.procstat import cpu_seconds, rss_bytes, rss_parts
     from bench.soak import build_target, libc10_path
 
     with tempfile.TemporaryDirectory(prefix="llmobs-rt-rss-") as tmp:
@@ -199,12 +200,15 @@ def resident(opts: dict) -> dict:
             for _ in range(int(opts["idle_s"])):
                 time.sleep(1.0)  # pacing the samples, not synchronising
                 idle.append(rss_bytes(agent.pid))
+            idle_parts = rss_parts(agent.pid)
             target.stdin.write(b"go\n")
             target.stdin.flush()
             loaded, cpu0, began = [], cpu_seconds(agent.pid), time.monotonic()
+            loaded_parts = []
             for _ in range(int(opts["seconds"])):
                 time.sleep(1.0)
                 loaded.append(rss_bytes(agent.pid))
+                loaded_parts.append(rss_parts(agent.pid))
             cpu_pct = 100 * (cpu_seconds(agent.pid) - cpu0) / (time.monotonic() - began)
             agent.send_signal(signal.SIGINT)
             _, err = agent.communicate(timeout=300)
@@ -217,8 +221,12 @@ def resident(opts: dict) -> dict:
                 agent.kill()
                 agent.wait(timeout=30)
     mb = 1 / (1 << 20)
-    return {"RSS idle MB": idle[-1] * mb, "RSS at rate MB": max(loaded[len(loaded) // 2 :]) * mb,
-            "agent CPU %": cpu_pct}  # fmt: skip
+    half = len(loaded) // 2
+    peak = half + max(range(len(loaded) - half), key=lambda i: loaded[half + i])  # the at-rate sample
+    return {"RSS idle MB": idle[-1] * mb, "RSS at rate MB": loaded[peak] * mb,
+            "RSS idle: anon MB": idle_parts["RssAnon"] * mb, "RSS idle: file MB": idle_parts["RssFile"] * mb,
+            "RSS at rate: anon MB": loaded_parts[peak]["RssAnon"] * mb,
+            "RSS at rate: file MB": loaded_parts[peak]["RssFile"] * mb, "agent CPU %": cpu_pct}  # fmt: skip
 
 
 FIGURES = {"ingest": ingest, "otlp": otlp, "attach": attach_latency, "tokens": tokens, "rss": resident}

@@ -22,6 +22,7 @@ import numpy as np
 
 from llmobs.bpf.records import EVENT_DTYPE
 from llmobs.dataflow import CompositeSink, Sink
+from llmobs.runtime import startup_pages
 from llmobs.stagecpu import STAGES
 
 # The ring is submitted without wake-ups; it is drained every DRAIN_PERIOD_S[0] (20 ms) while events
@@ -155,6 +156,8 @@ class Agent:
         self.telemetry = None
         self._next_slow = 0.0
         self._closed = False
+        self.startup_pages_released = 0  # bytes of library pages handed back once settled (startup_pages)
+        self._release_pages_at: float | None = time.monotonic() + startup_pages.SETTLE_S
         self._start_overhead_hooks(budget)
         self.nvml = self._start_nvml() if nvml else None
         self.stage_cpu: dict | None = None  # the CPU account by stage while attached, taken at close
@@ -256,6 +259,7 @@ class Agent:
                 self.guard("telemetry", self.telemetry.track_pipeline, pipeline)
         if self.nvml is not None and pipeline is not None:
             self.guard("nvml", self.nvml.track, target.pid)
+        self._release_pages_at = time.monotonic() + startup_pages.SETTLE_S  # after this attach settles
         return target
 
     def remove(self, pid: int, reason: str) -> Detached:
@@ -382,6 +386,9 @@ class Agent:
         if self.nvml is not None and any(t.pipeline is not None for t in self.targets.values()):
             self.guard("nvml", self._poll_nvml)  # samples go to a store: none without one
             STAGES.charge("nvml", began)
+        if self._release_pages_at is not None and now >= self._release_pages_at:
+            self._release_pages_at = None
+            self.startup_pages_released += self.guard("startup pages", startup_pages.release) or 0
 
     def _publish_sample(self, sample: dict) -> None:
         """The agent's own numbers to `top` (each target's snapshot) and to OTLP (llmobs.agent.*)."""
@@ -444,4 +451,8 @@ class Agent:
         return detached
 
     def counters(self) -> dict[str, int]:
-        return {"unrouted": self.unrouted, "targets": len(self.targets)}
+        return {
+            "unrouted": self.unrouted,
+            "targets": len(self.targets),
+            "startup_pages_released": self.startup_pages_released,
+        }
