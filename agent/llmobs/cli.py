@@ -121,10 +121,30 @@ def _return_freed_memory() -> None:
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters of glibc's malloc.h
 
 
+class _NoPandas:
+    """An import finder that refuses pandas: pyarrow imports it, when it is installed, on the first
+    array it builds (its pandas shim looks at every input), and the agent uses none of it. Measured:
+    0.46-0.67 s on the path from the probes being attached to the first drain (the pipeline's first
+    pa.array) and +43 MB of RSS for the whole run. pyarrow and DuckDB work without pandas (a supported
+    install); only the agent's own process is affected: the workloads it starts import what they like."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name == "pandas" or name.startswith("pandas."):
+            raise ModuleNotFoundError("the llmobs agent does not load pandas", name=name)
+        return None
+
+
+def _without_pandas() -> None:
+    if "pandas" not in sys.modules and _NoPandas not in sys.meta_path:
+        sys.meta_path.insert(0, _NoPandas)
+
+
 def main(argv: list[str] | None = None) -> int:
     command = _command_in(sys.argv[1:] if argv is None else argv)
     if command in _AGENT_COMMANDS:
         _return_freed_memory()
+        _without_pandas()
         _import_numpy_single_threaded()
     parser = build_parser(command)
     args, extras = parser.parse_known_args(argv)
