@@ -156,7 +156,10 @@ class Agent:
         self.telemetry = None
         self._next_slow = 0.0
         self._closed = False
-        self.startup_pages_released = 0  # bytes of library pages handed back once settled (startup_pages)
+        # Library pages only the start-up touched are handed back once, SETTLE_S after the runtime
+        # starts (startup_pages). Once only: a later target's attach runs code the loop runs anyway,
+        # and releasing again would just fault the loop's own pages back in.
+        self.startup_pages_released = 0  # bytes advised
         self._release_pages_at: float | None = time.monotonic() + startup_pages.SETTLE_S
         self._start_overhead_hooks(budget)
         self.nvml = self._start_nvml() if nvml else None
@@ -259,7 +262,6 @@ class Agent:
                 self.guard("telemetry", self.telemetry.track_pipeline, pipeline)
         if self.nvml is not None and pipeline is not None:
             self.guard("nvml", self.nvml.track, target.pid)
-        self._release_pages_at = time.monotonic() + startup_pages.SETTLE_S  # after this attach settles
         return target
 
     def remove(self, pid: int, reason: str) -> Detached:

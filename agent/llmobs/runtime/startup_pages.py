@@ -20,8 +20,8 @@ import ctypes.util
 import errno
 
 MADV_PAGEOUT = 21  # linux/mman.h (5.4+)
-# The start-up is over this long after the runtime starts or takes a target: the attach's first map
-# read and drain (which fault in the loop's own code) are behind it.
+# The start-up is over this long after the runtime starts: attach's first map reads and drains (which
+# fault in the loop's own code) are behind it; the daemon's configuration and discovery are too.
 SETTLE_S = 5.0
 
 

@@ -636,6 +636,21 @@ def migrate(conn: duckdb.DuckDBPyConnection, target: int = LATEST_VERSION) -> li
     return applied
 
 
+def tables_columns(conn: duckdb.DuckDBPyConnection, tables) -> dict[str, dict[str, str]]:
+    """table_columns of several tables in one query (each information_schema query costs ~3 ms here,
+    and a store opens with two dozen tables: 75 ms on the path to attach's first event)."""
+    wanted = list(tables)
+    rows = conn.execute(
+        "SELECT table_name, column_name, data_type FROM information_schema.columns"
+        " WHERE table_name IN (SELECT unnest($tables)) ORDER BY table_name, ordinal_position",
+        {"tables": wanted},
+    ).fetchall()
+    out: dict[str, dict[str, str]] = {table: {} for table in wanted}
+    for table, column, data_type in rows:
+        out[table][column] = data_type
+    return out
+
+
 def table_columns(conn: duckdb.DuckDBPyConnection, table: str) -> dict[str, str]:
     """name -> DuckDB type of a table's columns, in order."""
     rows = conn.execute(

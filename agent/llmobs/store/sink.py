@@ -161,9 +161,9 @@ class DuckDBStore:
                     )
             else:
                 schema.migrate(self._conn)
-            self._columns = {
-                table: schema.table_columns(self._conn, table) for table in schema.TIME_COLUMN if table
-            }
+            self._columns = schema.tables_columns(
+                self._conn, [table for table in schema.TIME_COLUMN if table]
+            )
         except duckdb.Error as exc:
             self._conn.close()
             raise StoreError(f"cannot use {self.path}: {str(exc).splitlines()[0]}") from None
