@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 from llmobs import clock
-from llmobs.otlp.config import resolve
+from llmobs.otlp.config import OtlpConfig, resolve
 from llmobs.otlp.delivery import OtlpExporter
 from llmobs.otlp.source import DDL
 from llmobs.otlp.transport import SendResult, Transport
@@ -150,7 +150,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20_000, help="token steps in the store")
     parser.add_argument("--tokens", type=int, default=100, help="tokens per request")
     parser.add_argument("--batch-rows", type=int, default=4, help="requests decoded per forward pass")
-    parser.add_argument("--batch", type=int, default=512, help="token-step spans per OTLP request")
+    parser.add_argument("--batch", type=int, default=OtlpConfig().batch_spans,
+                        help="token-step spans per batch (default: the exporter's default)")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, default=BASELINE, help=f"main's tree (default {BASELINE})")
     parser.add_argument("--no-baseline", action="store_true", help="skip the side-by-side with main")

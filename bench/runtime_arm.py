@@ -84,7 +84,8 @@ def otlp(opts: dict) -> dict:
         )  # fmt: skip
         store.append({"token_steps": steps, "events": synthetic.events_for_steps(steps)})
         _correlate().correlate(store.connection)
-        config = resolve({"endpoint": opts["endpoint"], "protocol": "grpc", "batch_spans": 512}, env={})
+        # the tree's own default batch (512 before session 10, 2,048 since): each arm as it ships
+        config = resolve({"endpoint": opts["endpoint"], "protocol": "grpc"}, env={})
         exporter = OtlpExporter(store.connection.cursor(), config, None)
         began, cpu0 = time.perf_counter(), time.process_time()
         counters = exporter.run(give_up_after_s=60)
