@@ -390,7 +390,7 @@ class Agent:
             STAGES.charge("nvml", began)
         if self._release_pages_at is not None and now >= self._release_pages_at:
             self._release_pages_at = None
-            self.startup_pages_released += self.guard("startup pages", startup_pages.release) or 0
+            self.startup_pages_released = self.guard("startup pages", startup_pages.release) or 0
 
     def _publish_sample(self, sample: dict) -> None:
         """The agent's own numbers to `top` (each target's snapshot) and to OTLP (llmobs.agent.*)."""

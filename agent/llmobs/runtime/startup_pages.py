@@ -19,6 +19,8 @@ import ctypes
 import ctypes.util
 import errno
 
+from llmobs.procfs import parse_maps
+
 MADV_PAGEOUT = 21  # linux/mman.h (5.4+)
 # The start-up is over this long after the runtime starts: attach's first map reads and drains (which
 # fault in the loop's own code) are behind it; the daemon's configuration and discovery are too.
@@ -27,14 +29,11 @@ SETTLE_S = 5.0
 
 def _read_only_file_mappings(maps_text: str) -> list[tuple[int, int]]:
     """(start, length) of every mapping of a file (a path) without write permission, from maps text."""
-    out = []
-    for line in maps_text.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 6 or not fields[5].startswith("/") or "w" in fields[1]:
-            continue
-        start, end = (int(bound, 16) for bound in fields[0].split("-"))
-        out.append((start, end - start))
-    return out
+    return [
+        (entry.start, entry.end - entry.start)
+        for entry in parse_maps(maps_text)
+        if entry.path.startswith("/") and "w" not in entry.perms
+    ]
 
 
 def release(maps_path: str = "/proc/self/maps") -> int:
