@@ -91,7 +91,7 @@ def run_attached(args, db: Path) -> dict:
     the incidents stored."""
     from llmobs.bpf.session import AttachSession, Options
     from llmobs.runtime.agent import Agent
-    from llmobs.store.sink import AGENT_THREADS, agent_memory_limit
+    from llmobs.store.sink import agent_store
 
     spikes = {int(s) for s in args.spike_steps.split(",")}
     workload_args = ("--model", args.model, "--requests", str(args.requests), "--batch", str(args.batch),
@@ -106,7 +106,7 @@ def run_attached(args, db: Path) -> dict:
     with HeldWorkload(*workload_args) as workload:
         session = AttachSession(workload.pid, Options(profiles=tuple(args.profiles.split(","))))
         session.start()
-        store = DuckDBStore(db, memory_limit=agent_memory_limit(), threads=AGENT_THREADS)
+        store = agent_store(db)
         pipeline = Pipeline(store, workload.pid, session=session, snapshot=False, detector=config)
         agent = Agent(store=store, owns_store=True, budget=0.01)
         agent.add(session, pipeline)

@@ -23,7 +23,8 @@ soak measures the agent at this rate, not the governor). `--agent run` soaks the
 (`run --profile mem --command <target path> --overhead-budget 0`, the governor off likewise). The store
 goes to a temporary directory, removed at the end unless --keep-db.
 
-Columns: elapsed_s, agent_rss_mb, agent_cpu_pct (of one core, over the interval), events_per_s (ring
+Columns: elapsed_s, agent_rss_mb (and its parts anon_mb, file_mb: the agent's own memory and the
+resident pages of the files it maps), agent_cpu_pct (of one core, over the interval), events_per_s (ring
 events the agent decoded over the interval: run's status file RUN_DIR/daemon.json, rewritten each
 second; attach's status line, printed every 10 s, so its figures lag by up to 10 s), target_calls_per_s
 (alloc/free pairs the target made), kernel_drops and user_drops (cumulative), store_mb (file + WAL).
@@ -45,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.procstat import cpu_seconds, rss_bytes
+from bench.procstat import cpu_seconds, rss_bytes, rss_parts
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = ROOT / ".venv" / "bin" / "python"
@@ -216,8 +217,8 @@ def write_plot(rows: list[dict], path: Path, title: str) -> None:
 
 
 HEADER = (
-    f"{'min':>5} {'RSS MB':>8} {'CPU %':>7} {'events/s':>10} {'produced/s':>11} {'drops k/u':>12} "
-    f"{'store MB':>9}"
+    f"{'min':>5} {'RSS MB':>8} {'anon/file':>11} {'CPU %':>7} {'events/s':>10} {'produced/s':>11} "
+    f"{'drops k/u':>12} {'store MB':>9}"
 )
 
 
@@ -226,7 +227,8 @@ def print_table(rows: list[dict], header: bool = True) -> None:
         print(HEADER)
     for row in rows:
         print(
-            f"{row['elapsed_s'] / 60:>5.1f} {row['agent_rss_mb']:>8.1f} {row['agent_cpu_pct']:>7.1f} "
+            f"{row['elapsed_s'] / 60:>5.1f} {row['agent_rss_mb']:>8.1f} "
+            f"{row['anon_mb']:>5.0f}/{row['file_mb']:<5.0f} {row['agent_cpu_pct']:>7.1f} "
             f"{row['events_per_s']:>10,.0f} {2 * row['target_calls_per_s']:>11,.0f} "
             f"{row['kernel_drops']:>5,}/{row['user_drops']:<6,} {row['store_mb']:>9.1f}"
         )
@@ -298,11 +300,13 @@ def main(argv: list[str] | None = None) -> int:
             if now < next_sample:
                 continue
             next_sample += args.interval
-            rss, cpu = rss_bytes(agent.pid), cpu_seconds(agent.pid)
+            rss, cpu, parts = rss_bytes(agent.pid), cpu_seconds(agent.pid), rss_parts(agent.pid)
             span = now - last_time
             row = {
                 "elapsed_s": round(now - started, 1),
                 "agent_rss_mb": round(rss / 2**20, 1),
+                "anon_mb": round(parts["RssAnon"] / 2**20, 1),
+                "file_mb": round(parts["RssFile"] / 2**20, 1),
                 "agent_cpu_pct": round(100 * (cpu - last_cpu) / span, 1),
                 "events_per_s": round((status[1] - last_sampled) / span),
                 "target_calls_per_s": round((pairs - last_pairs) / span),

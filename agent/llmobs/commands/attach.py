@@ -394,12 +394,9 @@ class _StoreOpening:
     def _open(self) -> None:
         try:
             import llmobs.pipeline  # noqa: F401  (imported here, off the path to the first event)
-            from llmobs.store import default_db_path
-            from llmobs.store.sink import AGENT_THREADS, DuckDBStore, agent_memory_limit
+            from llmobs.store.sink import agent_store
 
-            self._store = DuckDBStore(
-                self._db or default_db_path(), memory_limit=agent_memory_limit(), threads=AGENT_THREADS
-            )
+            self._store = agent_store(self._db)
         except BaseException as exc:  # a StoreError, a bug: raised again by result()
             self._error = exc
 

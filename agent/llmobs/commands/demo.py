@@ -470,7 +470,7 @@ def _export_otlp(store, args, progress) -> str:
 
     config = resolve({"endpoint": args.otlp})
     progress(f"exporting over OTLP to {config.resolved_endpoint()} ({config.protocol})")
-    exporter = OtlpExporter(store.connection.cursor(), config)
+    exporter = OtlpExporter(store.cursor(), config)
     try:
         counters = exporter.run(follow=False, give_up_after_s=OTLP_GIVE_UP_S)
         outcome = f"{counters.spans_sent:,} spans sent, metrics sent {counters.metrics_sent}"

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     if not db.exists():  # exporting must not create an empty store where the user mistyped a path
         raise StoreError(f"no store at {db}", hint="give the agent's store with --db PATH")
     with DuckDBStore(db) as store:
-        exporter = OtlpExporter(store.connection.cursor(), config, stop=stop)
+        exporter = OtlpExporter(store.cursor(), config, stop=stop)
         try:
             counters = exporter.run(follow=args.follow, give_up_after_s=args.give_up_after)
             status = exporter.status()

@@ -89,8 +89,7 @@ class Service:
         # found, not imported: bcc compiles in a child process (llmobs.bpf.compile); libbcc never loads here
         if importlib.util.find_spec("bcc") is None:
             raise MissingLibrary("bcc (python3-bpfcc) is not importable: no module named 'bcc'")
-        from llmobs.store import DuckDBStore
-        from llmobs.store.sink import AGENT_THREADS, agent_memory_limit
+        from llmobs.store.sink import agent_store
 
         config = self.config
         try:
@@ -101,8 +100,8 @@ class Service:
             raise LlmobsError(f"cannot create the run dir {config.run_dir}: {exc.strerror}") from None
         # DuckDB's default is 80% of the host's RAM, far above the unit's MemoryMax: the store's working
         # memory is capped as for attach (32MB or $LLMOBS_DUCKDB_MEMORY_LIMIT); it spills beyond.
-        self.store = DuckDBStore(config.store_path, memory_limit=agent_memory_limit(), threads=AGENT_THREADS)
-        if config.retention_bytes:  # before any cursor exists: compaction swaps the file
+        self.store = agent_store(config.store_path)
+        if config.retention_bytes:
             self._retention(by_size=True)
         self.fleet = self._new_fleet(config)
         self.watcher = ProcWatcher(Selectors.of(config), self.procfs, recheck_s=config.recheck_s)

@@ -88,7 +88,8 @@ class LiveAnomalies:
         # Called on the lane's thread with each batch of rows once committed ({column: list}); must not
         # block (the automatic replays: llmobs.pipeline.auto_replay.AutoReplayer.on_rows).
         self.on_committed: Callable[[dict], object] | None = None
-        self._conn = None  # the lane's own cursor, opened on its thread
+        # the lane's own cursor, borrowed on its thread at the first write, given back after each commit
+        self._conn = self.store.cursor()
         self._changed_since: int | None = None  # when incidents first changed since the last write
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_ITEMS)
         self._thread = threading.Thread(target=self._run, name="llmobs-anomalies", daemon=True)
@@ -146,8 +147,7 @@ class LiveAnomalies:
             parts, more_stop = self._drain([first] if first else [])
             stop = stop or more_stop
             self._commit(parts, token_seq, pass_seq, final=stop)
-        if self._conn is not None:
-            self._conn.close()
+            self._conn.idle()  # between commits the store may reopen its database (DuckDBStore.recycle)
 
     def _pass_progress(self) -> int | None:
         try:
@@ -207,7 +207,7 @@ class LiveAnomalies:
 
     def _failed(self, exc: Exception) -> None:
         self.counters.last_error = f"commit: {str(exc).splitlines()[0]}"
-        self._conn = None  # a fresh cursor next time (the store may have been reopened)
+        self._conn.idle()  # a fresh cursor next time
 
     def _committed(self, rows: dict) -> None:
         done_ns = clock.monotonic_ns()
@@ -233,21 +233,16 @@ class LiveAnomalies:
             except Exception as exc:  # a follower's bug must not stop the lane
                 self.counters.last_error = f"on_committed: {exc}"
 
-    def _cursor(self):
-        if self._conn is None:
-            self._conn = self.store.connection.cursor()
-        return self._conn
-
     def _write_rows(self, rows: dict) -> None:
         """The rows, with their incident_id, in one INSERT (autocommitted: one transaction)."""
         stored = {c: v for c, v in rows.items() if c != "pass_token"}  # pass_token: the builder's only
         _llmobs_rows = pa.table(stored)  # noqa: F841 (read by DuckDB's replacement scan)
-        self._cursor().execute("INSERT INTO anomalies BY NAME SELECT * FROM _llmobs_rows")
+        self._conn.execute("INSERT INTO anomalies BY NAME SELECT * FROM _llmobs_rows")
 
     def _write_incidents(self, new: list[dict], updated: list[dict]) -> None:
         """One transaction: the incidents opened (INSERT) and those grown or closed (UPDATE ... FROM, by
         incident_id). Two plain statements cost less than one INSERT ... ON CONFLICT DO UPDATE here."""
-        conn = self._cursor()
+        conn = self._conn
         _llmobs_new = pa.Table.from_pylist(new) if new else None  # noqa: F841 (replacement scan)
         _llmobs_updates = pa.Table.from_pylist(updated) if updated else None  # noqa: F841
         conn.execute("BEGIN TRANSACTION")

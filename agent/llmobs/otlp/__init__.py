@@ -30,10 +30,11 @@ def __getattr__(name: str):
 
 
 def start_exporter(store, config: OtlpConfig) -> OtlpExporter:
-    """Follow a live DuckDBStore from a background thread on its own DuckDB connection (for `attach
-    --otlp` and the daemon); call `.shutdown()` on the result before closing the store."""
+    """Follow a live DuckDBStore from a background thread on its own cursor of the store, given back
+    between rounds (for `attach --otlp` and the daemon); call `.shutdown()` on the result before
+    closing the store."""
     from llmobs.otlp.delivery import OtlpExporter
 
-    exporter = OtlpExporter(store.connection.cursor(), config, headroom=store.with_headroom)
+    exporter = OtlpExporter(store.cursor(), config, headroom=store.with_headroom)
     exporter.start()
     return exporter

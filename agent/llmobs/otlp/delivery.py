@@ -29,6 +29,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import duckdb
 
@@ -43,6 +44,9 @@ from llmobs.otlp.source import ExportCursor, StepBatch
 from llmobs.otlp.split import halve, split_request
 from llmobs.otlp.tenant_compute import TenantCompute
 from llmobs.otlp.transport import SendResult, Transport, make_transport
+
+if TYPE_CHECKING:
+    from llmobs.store.sink import StoreCursor
 
 log = logging.getLogger("llmobs.otlp")
 
@@ -101,7 +105,7 @@ class OtlpExporter:
 
     def __init__(
         self,
-        conn: duckdb.DuckDBPyConnection,
+        conn: duckdb.DuckDBPyConnection | StoreCursor,
         config: OtlpConfig,
         transport: Transport | None = None,
         stop: threading.Event | None = None,
@@ -182,6 +186,7 @@ class OtlpExporter:
         self.counters.max_batch_bytes = max(self.counters.max_batch_bytes, encoded.ByteSize())
         pending = deque(self._split(encoded))
         del encoded  # cut into requests: hold the batch's bytes once, not twice, while it is sent
+        self._idle()  # read and encoded: nothing of the store is held while it is sent, or retried
         acked = rejected = 0
         while pending:
             request = pending[0]
@@ -332,11 +337,13 @@ class OtlpExporter:
                     self._maybe_prune()
                 except ExportFailed as exc:  # keep the rows; try again later, loudly
                     log.error("%s", exc)
+                    self._idle()
                     self.backoff.wait()
                     continue
                 except duckdb.Error as exc:  # e.g. the store is being compacted: try the next poll
                     self.counters.last_error = f"store: {str(exc).splitlines()[0]}"
                     log.error("%s", self.counters.last_error)
+                self._idle()
                 self.stop.wait(self.config.poll_interval_s)
             self.maybe_send_metrics(force=True)
             return self.counters
@@ -350,6 +357,13 @@ class OtlpExporter:
                 f"{remaining} token steps not exported: {self.counters.last_error or 'collector unreachable'}"
             )
         return self.counters
+
+    def _idle(self) -> None:
+        """Between rounds, nothing held: a live store's cursor (StoreCursor) goes back to the store, so
+        that the store can reopen its database meanwhile (DuckDBStore.recycle)."""
+        idle = getattr(self.cursor.conn, "idle", None)
+        if idle is not None:
+            idle()
 
     def start(self) -> threading.Thread:
         """Follow in a background thread (how `attach --otlp` runs it next to the ingest)."""

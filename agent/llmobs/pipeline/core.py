@@ -37,7 +37,7 @@ from llmobs.pipeline.sources import AggregateSource, ShmSource
 from llmobs.procfs import ProcFS
 from llmobs.stagecpu import STAGES
 from llmobs.store.ingest import EventDecoder
-from llmobs.store.sink import AGENT_THREADS, DuckDBStore, agent_memory_limit
+from llmobs.store.sink import DuckDBStore, agent_store
 from llmobs.store.writer import MAX_HOLD_S, StoreWriter
 
 CORRELATE_EVERY_S = 2.0
@@ -213,8 +213,8 @@ class Pipeline:
 
     @classmethod
     def open(cls, db: str | Path, pid: int, **options) -> Pipeline:
-        """A pipeline owning a DuckDBStore it opens at `db` (closed by `close`), its DuckDB memory capped."""
-        store = DuckDBStore(db, memory_limit=agent_memory_limit(), threads=AGENT_THREADS)
+        """A pipeline owning the agent's store it opens at `db` (closed by `close`; sink.agent_store)."""
+        store = agent_store(db)
         return cls(store, pid, owns_store=True, **options)
 
     # ---- running ----------------------------------------------------------------------------------
@@ -370,7 +370,9 @@ class Pipeline:
         return max(min(candidates), 0) if candidates else clock.monotonic_ns() - LATE_NS
 
     def _correlate_loop(self, every_s: float) -> None:
-        conn = self.store.connection.cursor()  # its own connection: never contends with the writer's lock
+        # its own cursor: never contends with the writer's lock; given back after every run, so that the
+        # store can reopen its database between runs (DuckDBStore.recycle)
+        conn = self.store.cursor()
         previous: int | None = None
         quiet = 0  # runs in a row with nothing submitted before them
         interval = every_s
@@ -417,8 +419,9 @@ class Pipeline:
                         if self._unrolled_since is None or since < self._unrolled_since:
                             self._unrolled_since = since
                 interval = self._next_interval(every_s, (STAGES.now() - run_began) / 1e9)
+                conn.idle()
         finally:
-            conn.close()
+            conn.idle()
 
     def _next_interval(self, every_s: float, run_cpu_s: float) -> float:
         """The wait before the next run: `every_s`, stretched so that runs cost at most
@@ -481,7 +484,7 @@ class Pipeline:
         try:
             session_since = max((self.first_step_ns or self.started_ns) - LATE_NS, 0)
             # its own cursor: in a daemon other pipelines' writers share the store's connection
-            conn = self.store.connection.cursor()
+            conn = self.store.cursor()
             # re-roll only the tail the incremental runs may have missed; report the whole session
             since = self._final_since(session_since)
             summary.final_correlate = self.store.with_headroom(
@@ -520,12 +523,9 @@ class Pipeline:
 
     def _final_evidence(self, summary: PipelineSummary) -> None:
         """Evidence for every anomaly of the session whose step is rolled up, after the last correlate."""
-        conn = self.store.connection.cursor()
-        try:
+        with self.store.cursor() as conn:
             since = max((self.first_step_ns or self.started_ns) - LATE_NS, 0)
             self.anomalies.refresh_evidence(conn, self.pid, since)
-        finally:
-            conn.close()
         summary.anomalies = self.anomalies.summary()
         if self.replays is not None:
             summary.anomalies += "\n" + self.replays.summary()

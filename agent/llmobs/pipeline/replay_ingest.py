@@ -102,8 +102,7 @@ def ingest_file(store, path: str, *, ack_step_seq: int, trigger: str = "command"
     file's meta names. Raises BadResult (not a replay file) or StoreError."""
     result = load(path)
     meta = result.meta
-    conn = store.connection.cursor()
-    try:
+    with store.cursor() as conn:
         if target is None:
             target = find_target(conn, int(meta["pid"]), int(meta["target_step_seq"]),
                                  int(meta.get("target_batch_row") or 0))  # fmt: skip
@@ -111,8 +110,6 @@ def ingest_file(store, path: str, *, ack_step_seq: int, trigger: str = "command"
         if replayed and target.trace_id and replayed != target.trace_id:  # e.g. the pid was reused
             raise verdicts.BadResult(f"the file replays trace {replayed}, not the stored {target.trace_id}")
         known = recorded(conn, target, result)
-    finally:
-        conn.close()
     verdict = verdicts.decide(result, known)
     rid = replay_id(target.pid, target.step_seq, target.batch_row, ack_step_seq)
     batch = rows_of(rid, result, verdict, known, target, trigger, clock.monotonic_ns())

@@ -17,6 +17,9 @@ from llmobs import clock
 from llmobs.store import schema
 from llmobs.store.sink import DuckDBStore
 
+# How long a compaction waits for the store's lent cursors (the exporter's, the correlate loop's) to go
+# idle before it gives up for this round (StoreBusy, logged by the daemon; the next round tries again).
+COMPACT_WAIT_S = 10.0
 # Tables whose time decides which rows are "oldest" when trimming by size.
 _TIMELINE_TABLES = ("token_steps", *schema.EVENT_TABLES, "probe_aggregates")
 
@@ -90,8 +93,8 @@ def compact(store: DuckDBStore) -> None:
     tmp = path.with_name(path.name + ".compact")
     for leftover in (tmp, Path(f"{tmp}.wal")):
         leftover.unlink(missing_ok=True)
-    with store._lock:
-        conn = store.connection
+    # exclusive: no cursor of the old database may outlive the swap (it would keep reading the old file)
+    with store.exclusive(COMPACT_WAIT_S) as conn:
         conn.execute("CHECKPOINT")
         conn.execute(f"ATTACH '{tmp}' AS llmobs_compact")
         try:
@@ -101,7 +104,6 @@ def compact(store: DuckDBStore) -> None:
         conn.close()
         os.replace(tmp, path)  # atomic: a crash leaves either the old file or the new one
         Path(f"{path}.wal").unlink(missing_ok=True)
-    store._reopen()
 
 
 def _catalog_name(conn) -> str:

@@ -10,9 +10,10 @@ are counted and the last error kept. `append()` is the raising form, for tools a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -40,6 +41,19 @@ AGENT_MEMORY_LIMIT = "32MB"
 # rolled up). Such a statement is run once more with the cap raised to this for its duration, counted
 # (DuckDBStore.headroom_retries), rather than failing.
 HEADROOM_MEMORY_LIMIT = "256MB"
+# DuckDB keeps metadata of every row group appended to a database in memory for as long as that database
+# stays open (~0.18 MB per million event rows here; a CHECKPOINT does not free it and `memory_limit` does
+# not count it; duckdb/duckdb#13172). Opened again, it loads that metadata lazily, when a query needs it.
+# At 50k events/s that was the 30-minute soak's +0.5-0.7 MB of RSS a minute (glibc's heap in use rising
+# 17 -> 22 MB in 10 minutes, Python's objects and DuckDB's own accounting flat). So a store the agent
+# writes reopens its database once it has appended RECYCLE_ROWS rows since it opened (DuckDBStore.recycle):
+# at most ~1 MB of such metadata, one reopen every ~100 s at 50k events/s.
+RECYCLE_ROWS = 5_000_000
+# A reopen needs every other cursor of the database closed (each keeps the old one alive): it waits this
+# long for them to go idle (StoreCursor.idle), then lets them go on and tries again RECYCLE_RETRY_ROWS
+# rows later, counted (store_recycles_deferred), so a busy reader delays it and never stalls the writer.
+RECYCLE_WAIT_S = 0.5
+RECYCLE_RETRY_ROWS = 500_000
 T = TypeVar("T")
 # DuckDB's worker threads for an agent that writes the store: by default one per core, and every
 # statement (a commit a second, a correlate) wakes them: at a slowly stepping target they were ~10 ms of
@@ -63,6 +77,13 @@ def agent_memory_limit() -> str:
     return os.environ.get(environment.LLMOBS_DUCKDB_MEMORY_LIMIT) or AGENT_MEMORY_LIMIT
 
 
+def agent_store(path: Path | str | None = None) -> DuckDBStore:
+    """The store as a running agent writes it (attach, run): DuckDB's cache capped (agent_memory_limit),
+    its SQL on one thread (AGENT_THREADS), its database reopened every RECYCLE_ROWS appended rows."""
+    limit = agent_memory_limit()
+    return DuckDBStore(path, memory_limit=limit, threads=AGENT_THREADS, recycle_rows=RECYCLE_ROWS)
+
+
 def default_db_path() -> Path:
     return Path(os.environ.get(DB_PATH_ENV) or DEFAULT_DB_PATH)
 
@@ -83,6 +104,41 @@ class SinkCounters:
     rows_written: int = 0
     rows_by_table: dict[str, int] = field(default_factory=dict)
     last_error: str | None = None
+
+
+class StoreBusy(StoreError):
+    """The store's cursors stayed in use past the wait of DuckDBStore.exclusive()."""
+
+
+class StoreCursor:
+    """A DuckDB cursor of a DuckDBStore for a thread beside the writer (the correlate loop, the OTLP
+    exporter, the anomaly lane). It stands for the cursor itself (`execute`, `fetchall`, `description`,
+    ...): the first use borrows one from the store, `idle()` gives it back. Its holder calls `idle()`
+    between its rounds of work, where it keeps no result and no transaction open; only then can the store
+    reopen its database (DuckDBStore.recycle), which waits for every lent cursor. As a context manager it
+    is idle at the end."""
+
+    def __init__(self, store: DuckDBStore):
+        self._store = store
+        self._cursor: duckdb.DuckDBPyConnection | None = None
+
+    def __getattr__(self, name: str):
+        if self._cursor is None:
+            self._cursor = self._store._lend()
+        return getattr(self._cursor, name)
+
+    def idle(self) -> None:
+        cursor, self._cursor = self._cursor, None
+        if cursor is not None:
+            self._store._give_back(cursor)
+
+    close = idle  # the cursor's own close(): the same, and the StoreCursor can be used again
+
+    def __enter__(self) -> StoreCursor:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.idle()
 
 
 def open_connection(path: Path | str, read_only: bool = False) -> duckdb.DuckDBPyConnection:
@@ -112,6 +168,7 @@ class DuckDBStore:
         read_only: bool = False,
         threads: int | None = None,
         memory_limit: str | None = None,
+        recycle_rows: int | None = None,
     ):
         self.path = Path(path) if path is not None else default_db_path()
         self.read_only = read_only
@@ -121,6 +178,13 @@ class DuckDBStore:
         self._memory_limit = memory_limit  # e.g. AGENT_MEMORY_LIMIT; None: DuckDB's default
         self._headroom_lock = threading.Lock()
         self.headroom_retries = 0
+        # Cursors lent out (StoreCursor), and whether a reopen is waiting for them to come back.
+        self._leases = threading.Condition()
+        self._lent = 0
+        self._reopening = False
+        self.recycle_rows = recycle_rows  # None: never reopened for memory (tools, tests, readers)
+        self._recycle_due = recycle_rows
+        self.recycles = 0
         self._open()
 
     def with_headroom(self, run: Callable[[], T]) -> T:
@@ -171,13 +235,72 @@ class DuckDBStore:
             self._conn.close()
             raise
 
-    def _reopen(self) -> None:
-        """Open the file again (after retention swapped in a compacted copy)."""
-        self._open()
-
     @property
     def connection(self) -> duckdb.DuckDBPyConnection:
+        """The store's own connection: for a command's queries. A thread of the agent that reads or
+        writes beside the writer takes a `cursor()` instead, which a reopen can wait for."""
         return self._conn
+
+    def cursor(self) -> StoreCursor:
+        """A cursor of this store for one thread, lent while in use (see StoreCursor)."""
+        return StoreCursor(self)
+
+    def _lend(self) -> duckdb.DuckDBPyConnection:
+        with self._leases:
+            self._leases.wait_for(lambda: not self._reopening)
+            cursor = self._conn.cursor()
+            self._lent += 1
+            return cursor
+
+    def _give_back(self, cursor: duckdb.DuckDBPyConnection) -> None:
+        try:
+            cursor.close()
+        finally:
+            with self._leases:
+                self._lent -= 1
+                self._leases.notify_all()
+
+    @contextlib.contextmanager
+    def exclusive(self, wait_s: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+        """The store's connection with no append running and no cursor lent; the database is opened
+        again at the end (so whatever was done to the file underneath, e.g. retention's compaction, is
+        what the store reads next). Raises StoreBusy when lent cursors are still in use after `wait_s`
+        (None: wait as long as they take)."""
+        with self._lock:
+            with self._leases:
+                self._reopening = True
+                if not self._leases.wait_for(lambda: self._lent == 0, wait_s):
+                    self._reopening = False
+                    self._leases.notify_all()
+                    raise StoreBusy(f"{self._lent} cursor(s) of the store still in use after {wait_s} s")
+            try:
+                with self._headroom_lock:  # nobody is between a statement and its cap's reset now
+                    try:
+                        yield self._conn
+                    finally:
+                        with contextlib.suppress(duckdb.Error):  # closed by the caller: nothing to flush
+                            self._conn.execute("CHECKPOINT")
+                        self._conn.close()
+                        self._open()
+                        self._recycle_due = self.recycle_rows
+            finally:
+                with self._leases:
+                    self._reopening = False
+                    self._leases.notify_all()
+
+    def recycle(self) -> bool:
+        """Reopen the database, which hands back the row groups' metadata DuckDB holds while it is open
+        (RECYCLE_ROWS). False, counted, if lent cursors stayed in use past RECYCLE_WAIT_S."""
+        try:
+            with self.exclusive(RECYCLE_WAIT_S):
+                pass
+        except StoreBusy:
+            self._recycle_due = RECYCLE_RETRY_ROWS
+            STAGES.count("store_recycles_deferred")
+            return False
+        self.recycles += 1
+        STAGES.count("store_recycles")
+        return True
 
     def __enter__(self) -> DuckDBStore:
         return self
@@ -206,6 +329,10 @@ class DuckDBStore:
                 if isinstance(exc, StoreError):
                     raise
                 raise StoreError(f"append failed: {str(exc).splitlines()[0]}") from exc
+            if self._recycle_due is not None:
+                self._recycle_due -= sum(written.values())
+        if self._recycle_due is not None and self._recycle_due <= 0:
+            self.recycle()  # after the commit, outside its lock: what was appended is stored already
         return written
 
     def _insert(self, dest: str, table: pa.Table) -> list[tuple[str, int]]:
