@@ -44,7 +44,7 @@ HEADROOM_MEMORY_LIMIT = "256MB"
 # DuckDB keeps metadata of every row group appended to a database in memory for as long as that database
 # stays open (~0.18 MB per million event rows here; a CHECKPOINT does not free it and `memory_limit` does
 # not count it; duckdb/duckdb#13172). Opened again, it loads that metadata lazily, when a query needs it.
-# At 50k events/s that was the 30-minute soak's +0.5-0.7 MB of RSS a minute (glibc's heap in use rising
+# At 50k events/s that was most of the 30-minute soak's +0.5-0.7 MB of RSS a minute (glibc's heap rising
 # 17 -> 22 MB in 10 minutes, Python's objects and DuckDB's own accounting flat). So a store the agent
 # writes reopens its database once it has appended RECYCLE_ROWS rows since it opened (DuckDBStore.recycle):
 # at most ~1 MB of such metadata, one reopen every ~100 s at 50k events/s.
