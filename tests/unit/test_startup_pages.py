@@ -90,3 +90,23 @@ def test_the_runtime_releases_once_the_start_up_settled():
     assert released > 0
     agent._slow_tick(start + 60)  # once per settling, not every tick
     assert agent.counters()["startup_pages_released"] == released
+
+
+def test_the_runtime_releases_again_after_each_reopen_of_the_store(tmp_path):
+    from llmobs.store.sink import agent_store
+
+    store = agent_store(tmp_path / "agent.duckdb")
+    agent = Agent(store=store, nvml=False)
+    first = agent._release_pages_at
+    agent._slow_tick(first)
+    released = agent.counters()["startup_pages_released"]
+    agent._slow_tick(first + 60)  # no reopen: nothing more
+    assert agent.counters()["startup_pages_releases"] == 1
+    assert store.recycle()  # the store reopens its database (as after RECYCLE_ROWS appended rows)
+    reopened_at = first + 61
+    agent._slow_tick(reopened_at)  # the first tick that sees it: the reopen is over, its pages go
+    assert agent.counters()["startup_pages_releases"] == 2
+    assert agent.counters()["startup_pages_released"] > released
+    agent._slow_tick(reopened_at + 120)  # once per reopen
+    assert agent.counters()["startup_pages_releases"] == 2
+    store.close()

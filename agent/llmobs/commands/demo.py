@@ -281,7 +281,7 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
     from llmobs.bpf.session import AttachSession, Options
     from llmobs.pipeline import Pipeline
     from llmobs.runtime import Agent, Task
-    from llmobs.store.sink import DuckDBStore
+    from llmobs.store.sink import agent_store
 
     progress(f"loading model {args.model} in the workload (pid {workload.pid}) and its tokenizer here")
     decode = token_decoder(args.model)
@@ -289,7 +289,7 @@ def _demo(args, profiles, out: Path, db: Path, workload: Workload, progress: Pro
     progress(f"attaching probes ({','.join(profiles)}) to pid {workload.pid}")
     session = AttachSession(workload.pid, Options(profiles=profiles))
     session.start()
-    store = DuckDBStore(db)
+    store = agent_store(db)  # the store as the agent writes it: capped cache, reopened as it grows
     pipeline = Pipeline(store, workload.pid, session=session, snapshot=True, detector=DEMO_DETECTORS)
     # the report is about this run: the store stays open after the agent is done (owns_store False)
     detached = []  # the workload's target once detached: at the end, or when it exited early
@@ -356,7 +356,7 @@ def _serve_demo(args, profiles, out: Path, db: Path, server: Workload, progress:
     from llmobs.pipeline import Pipeline
     from llmobs.report import serving as report
     from llmobs.runtime import Agent, Task
-    from llmobs.store.sink import DuckDBStore
+    from llmobs.store.sink import agent_store
     from llmobs.workloads.clients import run_clients
 
     progress(f"loading model {args.model} in the server (pid {server.pid})")
@@ -366,7 +366,7 @@ def _serve_demo(args, profiles, out: Path, db: Path, server: Workload, progress:
     )
     session = AttachSession(server.pid, Options(profiles=profiles))
     session.start()
-    store = DuckDBStore(db)
+    store = agent_store(db)  # the store as the agent writes it: capped cache, reopened as it grows
     pipeline = Pipeline(store, server.pid, session=session, snapshot=True, detector=DEMO_DETECTORS)
     detached = []  # the server's target, detached once it exited (or at the end)
     agent = Agent(store=store, log=lambda line: progress(line, final=True), on_detach=detached.append)

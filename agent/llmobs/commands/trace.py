@@ -131,10 +131,10 @@ def store(db: str, result: dict) -> None:
     re-rolls the steps so their rollups carry their GPU time. The clock fit is recorded first."""
     from llmobs.gpu.cupti_source import CuptiSource, clock_fit, stored_step_seqs
     from llmobs.pipeline import Pipeline
-    from llmobs.store.sink import DuckDBStore, agent_memory_limit
+    from llmobs.store.sink import agent_store
 
     pid = result["pid"]
-    st = DuckDBStore(db, memory_limit=agent_memory_limit())
+    st = agent_store(db)
     try:
         fit = clock_fit(result)
         if fit is not None:

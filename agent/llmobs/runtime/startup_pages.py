@@ -1,4 +1,5 @@
-"""Hands back the library pages that only the agent's start-up touched (MADV_PAGEOUT, once settled).
+"""Hands back the library pages that only the agent's start-up touched (MADV_PAGEOUT, once settled),
+and those that only a reopen of its store touched (runtime/agent.py calls `release` after each).
 
 Why: after the imports and the attach, about half of the agent's resident set is read-only pages of
 library files, faulted in once by initialisation (DuckDB's ~50 MB of code registering every function
