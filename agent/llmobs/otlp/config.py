@@ -83,6 +83,10 @@ class OtlpConfig:
     max_events_per_span: int = 64  # sampled probe events kept per token-step span; the rest are counted
     metrics_interval_s: float = 10.0
     settle_s: float = 2.0  # --follow: a step is exported once this old (its late events have landed)
+    # --follow: a step whose forward pass has no rollup yet waits for it up to this long (its span's
+    # llmobs.step.* attributes). Correlation runs every 2 s, stretched to at most 15 s where a run is
+    # dear (pipeline/core.py CORRELATE_MAX_S), and a step reaches the store up to ~3 s after it ran.
+    rollup_wait_s: float = 20.0
     request_idle_s: float = 5.0  # --follow: a request with no new step for this long is closed
     poll_interval_s: float = 0.5
     backoff_initial_s: float = 1.0
@@ -228,6 +232,8 @@ def validate(config: OtlpConfig) -> OtlpConfig:
         raise OtlpConfigError(f"trace id mode {config.trace_id_mode!r} is not one of prompt, random")
     if config.timeout_s <= 0 or config.batch_spans <= 0 or config.backoff_initial_s <= 0:
         raise OtlpConfigError("timeout, batch size and backoff must be positive")
+    if config.settle_s < 0 or config.rollup_wait_s < 0:
+        raise OtlpConfigError("settle_s and rollup_wait_s must not be negative")
     if config.max_request_bytes < MIN_MAX_REQUEST_BYTES:
         raise OtlpConfigError(
             f"max_request_bytes {config.max_request_bytes} is below the minimum {MIN_MAX_REQUEST_BYTES}"

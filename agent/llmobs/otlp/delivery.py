@@ -144,11 +144,13 @@ class OtlpExporter:
     def _next_batch(self, follow: bool) -> StepBatch:
         config = self.config
         now = clock.monotonic_ns()
-        cutoff = now - int(config.settle_s * 1e9) if follow and self._same_boot else None
+        live = follow and self._same_boot
+        cutoff = now - int(config.settle_s * 1e9) if live else None
         return self.cursor.next_batch(
             config.batch_spans,
             config.max_events_per_span,
             cutoff_ns=cutoff,
+            rollup_cutoff_ns=now - int(config.rollup_wait_s * 1e9) if live else None,
             request_idle_ns=int(config.request_idle_s * 1e9),
             now_ns=now if self._same_boot else None,
             flush=not follow,

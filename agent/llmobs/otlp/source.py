@@ -88,6 +88,13 @@ SELECT DISTINCT pid, trace_id FROM token_steps
 WHERE ingest_seq > $after AND trace_id IN (SELECT unnest($traces))
 """
 _PENDING_COUNT = "SELECT count(*) FROM token_steps WHERE ingest_seq > $after"
+# How far correlation has rolled up each pid's passes: the start of its newest pass with a rollup. The
+# lower bound lets DuckDB skip all but the newest row groups (rollups are written in time order).
+_ROLLED_THROUGH = """
+SELECT pid, max(t_start_ns) FROM step_rollups
+WHERE t_start_ns >= $since AND pid IN (SELECT unnest($pids))
+GROUP BY pid
+"""
 _POSITION = "SELECT max(ingest_seq), count(*), count(ingest_seq) FROM otlp_cursor"
 # A cursor written before ingest_seq: resume at the first row its time keys call unexported (rows
 # between that and the old position are sent again: duplicates with the same ids, never a gap).
@@ -293,6 +300,7 @@ class ExportCursor:
         self._pending_steps = _PENDING_STEPS.format(columns=_step_select(stored))
         self._position: int | None = None
         self._process_cache: dict[int, dict] = {}
+        self._rolled_through: dict[int, int] = {}  # pid -> _ROLLED_THROUGH, as last read (it only grows)
         self.served = ServedRequests(conn)
         self._has_gpu_samples = bool(  # a store older than schema 6 has no NVML samples
             conn.execute(
@@ -362,10 +370,13 @@ class ExportCursor:
         request_idle_ns: int | None = None,
         now_ns: int | None = None,
         flush: bool = False,
+        rollup_cutoff_ns: int | None = None,
     ) -> StepBatch:
         """The next `limit` unexported token steps in ingest order (stopping before the first one that
-        started after `cutoff_ns`, if set: it and what came after it wait to settle), their sampled
-        events, rollups and GPU time, plus the requests that are closed by now."""
+        started after `cutoff_ns`, if set: it and what came after it wait to settle; and, if
+        `rollup_cutoff_ns` is set, before the first one that started after it whose pass has no rollup
+        yet: it waits for correlation), their sampled events, rollups and GPU time, plus the requests
+        that are closed by now."""
         conn = self.conn
         table = conn.sql(
             self._pending_steps, params={"after": self.position(), "limit": limit}
@@ -374,6 +385,8 @@ class ExportCursor:
             late = np.flatnonzero(table.column("t_start_ns").to_numpy() > cutoff_ns)
             if len(late):
                 table = table.slice(0, int(late[0]))
+        if rollup_cutoff_ns is not None and table.num_rows:
+            table = table.slice(0, self._rolled_up_rows(table, rollup_cutoff_ns))
         events = None
         rollups: pa.Table | None = None
         gpu_time: list[dict] = []
@@ -443,6 +456,29 @@ class ExportCursor:
             unfinished,
             replays,
         )
+
+    def _rolled_up_rows(self, table: pa.Table, young_after_ns: int) -> int:
+        """How many of the batch's leading rows may go now: up to the first step that started after
+        `young_after_ns` in a pass correlation has not rolled up yet (its span would lack the pass's
+        llmobs.step.* attributes). A step without a pass (step_seq 0) never gets a rollup and never
+        waits; one older than `young_after_ns` waits no longer (correlation is failing or behind)."""
+        starts = table.column("t_start_ns").to_numpy()
+        pids = table.column("pid").to_numpy()
+        young = (table.column("step_seq").to_numpy() != 0) & (starts > young_after_ns)
+        if not young.any():
+            return table.num_rows
+        through = self._rolled_through
+        young_pids, young_starts = pids[young], starts[young]
+        behind = [pid for pid in np.unique(young_pids).tolist()
+                  if young_starts[young_pids == pid].max() > through.get(pid, -1)]  # fmt: skip
+        if behind:  # read again only for the pids whose young steps are past what was read before
+            params = {"since": min(through.get(pid, young_after_ns) for pid in behind), "pids": behind}
+            for pid, newest in self.conn.execute(_ROLLED_THROUGH, params).fetchall():
+                through[pid] = max(through.get(pid, newest), newest)
+        unique, row_pid = np.unique(pids, return_inverse=True)
+        known = np.array([through.get(pid, -1) for pid in unique.tolist()], dtype=np.int64)[row_pid]
+        waiting = np.flatnonzero(young & (starts > known))
+        return int(waiting[0]) if len(waiting) else table.num_rows
 
     def _closed_requests(
         self,
