@@ -33,9 +33,10 @@ def collector(tmp_path):
 
 
 def _config(collector):
+    # rollup_wait_s 0: nothing correlates these stores, so a followed step has no rollup to wait for
     return otlp_config.resolve(
         {"endpoint": collector.grpc_endpoint, "protocol": "grpc", "timeout_s": 2.0, "settle_s": 0.0,
-         "poll_interval_s": 0.05, "metrics_interval_s": 0.3},
+         "rollup_wait_s": 0.0, "poll_interval_s": 0.05, "metrics_interval_s": 0.3},
         env={},
     )  # fmt: skip
 

@@ -66,6 +66,12 @@ _CONFIG_ERRORS = (
 # How often a follow loop forgets the export state of rows retention removed (ExportCursor.prune): two
 # DELETEs, each with a min() over a table, so not every poll.
 PRUNE_INTERVAL_S = 60.0
+# A follow round that sent nothing (no new step, or each still settling or waiting for its rollup) makes
+# the next wait twice as long, up to this: even an idle round reads the pending steps, the served and
+# the open requests and the rollup watermark (~9 ms here), every poll_interval_s, which at a slowly
+# stepping target (its spans held ~15 s for correlation) was most of the exporter's CPU. A round that
+# sends goes back to poll_interval_s.
+IDLE_POLL_MAX_S = 2.0
 
 
 class ExportFailed(LlmobsError):
@@ -332,9 +338,11 @@ class OtlpExporter:
     def run(self, follow: bool = False, give_up_after_s: float | None = 60.0) -> ExportCounters:
         """One-shot (export everything, flush open requests, send metrics) or follow until `shutdown`."""
         if follow:
+            wait_s = self.config.poll_interval_s
             while not self.stop.is_set():
                 try:
-                    self._headroom(functools.partial(self.export_pending, follow=True))
+                    sent = self._headroom(functools.partial(self.export_pending, follow=True))
+                    wait_s = self._next_poll(wait_s, sent)
                     self.maybe_send_metrics()
                     self._maybe_prune()
                 except ExportFailed as exc:  # keep the rows; try again later, loudly
@@ -346,7 +354,7 @@ class OtlpExporter:
                     self.counters.last_error = f"store: {str(exc).splitlines()[0]}"
                     log.error("%s", self.counters.last_error)
                 self._idle()
-                self.stop.wait(self.config.poll_interval_s)
+                self.stop.wait(wait_s)
             self.maybe_send_metrics(force=True)
             return self.counters
         give_up = None if give_up_after_s is None else clock.monotonic_ns() + int(give_up_after_s * 1e9)
@@ -359,6 +367,12 @@ class OtlpExporter:
                 f"{remaining} token steps not exported: {self.counters.last_error or 'collector unreachable'}"
             )
         return self.counters
+
+    def _next_poll(self, wait_s: float, sent: int) -> float:
+        """The wait before the next follow round: poll_interval_s after a round that sent, else twice
+        the last, up to IDLE_POLL_MAX_S (or poll_interval_s, if that is longer)."""
+        interval = self.config.poll_interval_s
+        return interval if sent else min(wait_s * 2, max(IDLE_POLL_MAX_S, interval))
 
     def _idle(self) -> None:
         """Between rounds, nothing held: a live store's cursor (StoreCursor) goes back to the store, so
