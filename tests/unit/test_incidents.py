@@ -168,3 +168,25 @@ def test_a_teacher_forced_passs_step_0_is_told_from_a_generated_requests_first_t
     }
     marked["first_step_seq"] = [900, 901]
     assert builder.add(marked, 1) == [None, "7-901-0"]
+
+
+def test_a_commit_over_the_stores_memory_cap_is_run_again_with_headroom(tmp_path):
+    # The agent's store caps DuckDB's memory (32MB), shared with the writer, correlate and the exporter:
+    # an anomaly commit that found the cap full failed and its rows were lost (seen at 20k steps/s with
+    # --otlp: "3 failed ... Out of Memory Error"). Here one commit needs more than a 16MB cap by itself
+    # (a 24 MB trace id on its rows), which DuckDB refuses the same way; the lane runs it again with the
+    # store's headroom, and nothing is lost.
+    store = DuckDBStore(tmp_path / "s.duckdb", memory_limit="16MB", threads=1)
+    live = LiveAnomalies(store, DetectorConfig(detector="both"))
+    losses = np.random.default_rng(2).normal(2.0, 0.2, 60)
+    losses[35] = 6.0
+    steps = _steps(losses, 300)
+    steps["trace_id"] = ["f" * 24_000_000] * len(losses)
+    assert live.add(steps) == 2
+    assert live.close()
+    assert (live.counters.failed, live.counters.last_error) == (0, None)
+    assert store.headroom_retries >= 1
+    query = "SELECT step, kind, length(trace_id) FROM anomalies ORDER BY kind"  # reading them needs it too
+    rows = store.with_headroom(lambda: store.connection.execute(query).fetchall())
+    assert rows == [(35, "loss_mad", 24_000_000), (35, "loss_ttest", 24_000_000)]
+    store.close()

@@ -21,6 +21,7 @@ pipeline's correlate thread).
 
 from __future__ import annotations
 
+import functools
 import json
 import queue
 import threading
@@ -177,8 +178,8 @@ class LiveAnomalies:
         if final:
             self.incidents.close_all(now)
         if rows is not None:
-            try:
-                self._write_rows(rows)
+            try:  # the store's memory cap is shared with the writer, correlate and the exporter
+                self.store.with_headroom(functools.partial(self._write_rows, rows))
             except Exception as exc:  # counted
                 self.counters.failed += len(rows["kind"])
                 self._failed(exc)
@@ -196,7 +197,7 @@ class LiveAnomalies:
             return
         new, updated = self.incidents.take_changed(now, every)
         try:
-            self._write_incidents(new, updated)
+            self.store.with_headroom(functools.partial(self._write_incidents, new, updated))
         except Exception as exc:  # written with the next commit
             self.incidents.restore(new, updated)
             self._failed(exc)
