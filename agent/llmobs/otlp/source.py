@@ -474,7 +474,7 @@ class ExportCursor:
         if behind:  # read again only for the pids whose young steps are past what was read before
             params = {"since": min(through.get(pid, young_after_ns) for pid in behind), "pids": behind}
             for pid, newest in self.conn.execute(_ROLLED_THROUGH, params).fetchall():
-                through[pid] = max(through.get(pid, newest), newest)
+                through[pid] = max(through.get(pid, -1), newest)
         unique, row_pid = np.unique(pids, return_inverse=True)
         known = np.array([through.get(pid, -1) for pid in unique.tolist()], dtype=np.int64)[row_pid]
         waiting = np.flatnonzero(young & (starts > known))

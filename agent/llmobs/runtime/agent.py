@@ -165,7 +165,7 @@ class Agent:
         self.startup_pages_released = 0  # bytes advised, every release together
         self.startup_pages_releases = 0
         self._release_pages_at: float | None = time.monotonic() + startup_pages.SETTLE_S
-        self._store_opens_seen = self._store_reopens()
+        self._store_reopens_seen = self._store_reopens()
         self._start_overhead_hooks(budget)
         self.nvml = self._start_nvml() if nvml else None
         self.stage_cpu: dict | None = None  # the CPU account by stage while attached, taken at close
@@ -394,8 +394,8 @@ class Agent:
             self.guard("nvml", self._poll_nvml)  # samples go to a store: none without one
             STAGES.charge("nvml", began)
         reopens = self._store_reopens()
-        if reopens != self._store_opens_seen:
-            self._store_opens_seen = reopens
+        if reopens != self._store_reopens_seen:
+            self._store_reopens_seen = reopens
             if self._release_pages_at is None:
                 self._release_pages_at = now
         if self._release_pages_at is not None and now >= self._release_pages_at:
