@@ -116,8 +116,11 @@ fi
 STAMP="$VENV/.llmobs-installed"
 TCTX_SRC="$ROOT/agent/llmobs/shm/c/otel_thread_ctx.c"
 TCTX_LIB="$ROOT/agent/llmobs/shm/c/libllmobs_otel_thread_ctx.so"
-WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/scripts/setup.sh" "$TCTX_SRC" | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || [ ! -f "$TCTX_LIB" ]; then
+GATHER_SRC="$ROOT/agent/llmobs/otlp/c/wire_gather.c"
+GATHER_LIB="$ROOT/agent/llmobs/otlp/_wire_gather.abi3.so"
+WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/scripts/setup.sh" "$TCTX_SRC" "$GATHER_SRC" \
+  | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || [ ! -f "$TCTX_LIB" ] || [ ! -f "$GATHER_LIB" ]; then
   say "installing Python packages into $VENV (torch $TORCH_VERSION CPU build first, then llmobs-agent[test] editable)"
   pip_install "torch==$TORCH_VERSION"
   pip_install -e "$ROOT[test]"
@@ -143,6 +146,14 @@ case "$TCTX_FACE" in
   ctypes) say "thread-context library loads (${TCTX_LIB#"$ROOT"/}; ctypes only: the interpreter's headers were not found)" ;;
   *) die "the thread-context library ${TCTX_LIB#"$ROOT"/} was not built or does not load; see why with: $VENV/bin/pip install -v --no-deps -e $ROOT" ;;
 esac
+
+# --- 5b'. the OTLP encoder's C gather (llmobs.otlp._wire_gather), built by the same install -----------
+# Optional for a pip install (wire.py gathers with numpy without it); here, a missing one is an error.
+if [ "$("$VENV/bin/python" -c 'from llmobs.otlp import wire; print(wire.gather_backend())')" = c ]; then
+  say "OTLP encoder's C gather loads (${GATHER_LIB#"$ROOT"/})"
+else
+  die "the OTLP encoder's C gather ${GATHER_LIB#"$ROOT"/} was not built or does not load; see why with: $VENV/bin/pip install -v --no-deps -e $ROOT"
+fi
 
 # --- 5c. SmolLM2, converted once -------------------------------------------------------------------
 # The demo, the SmolLM2 workloads and the tests load SmolLM2 from its converted copy in

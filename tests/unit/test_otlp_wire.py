@@ -16,6 +16,15 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 
+@pytest.fixture(params=["c", "numpy"], autouse=True)
+def gather_backend(request, monkeypatch):
+    """Every test here runs with each gather: the C extension (built by scripts/setup.sh) and numpy's."""
+    if request.param == "numpy":
+        monkeypatch.setattr(wire, "_c_gather", None)
+    assert wire.gather_backend() == request.param
+    return request.param
+
+
 def rows_of(pieces: wire.Pieces) -> list[bytes]:
     data, offsets = pieces.gather()
     raw = data.tobytes()

@@ -16,7 +16,17 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+try:  # the C gather (c/wire_gather.c), built at install; without a compiler, numpy's (same bytes)
+    from llmobs.otlp._wire_gather import gather as _c_gather
+except ImportError:
+    _c_gather = None
+
 _U64 = np.uint64
+
+
+def gather_backend() -> str:
+    """Which gather Pieces.gather uses: 'c' or 'numpy' (llmobs-agent doctor shows it)."""
+    return "c" if _c_gather is not None else "numpy"
 
 
 def varint_bytes(value: int) -> bytes:
@@ -92,7 +102,16 @@ class Pieces:
         return self.extend(inner, present)
 
     def gather(self) -> tuple[np.ndarray, np.ndarray]:
-        """(bytes of every row, back to back; each row's start offset, n + 1 of them).
+        """(bytes of every row, back to back; each row's start offset, n + 1 of them)."""
+        if _c_gather is None:
+            return self.gather_numpy()
+        offsets = np.zeros(self.n + 1, dtype=np.int64)
+        np.cumsum(self.length, out=offsets[1:])
+        joined = _c_gather(self.n, int(offsets[-1]), self.segments)
+        return np.frombuffer(joined, np.uint8), offsets
+
+    def gather_numpy(self) -> tuple[np.ndarray, np.ndarray]:
+        """gather without the C extension, to the same bytes.
 
         Segments of a bounded width (constants, matrices, short strings) are laid side by side in one
         (rows x width) matrix and compressed by a mask of the bytes in use: one pass over bytes, no
@@ -139,6 +158,8 @@ class Pieces:
         close_run()
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(self.length, out=offsets[1:])
+        if not parts:  # no rows, or every row empty
+            return np.zeros(0, np.uint8), offsets
         if len(parts) == 1:
             return parts[0][0], offsets
         # Several parts, interleaved row by row: every part's bytes in one buffer, then one join of the
