@@ -268,3 +268,45 @@ def test_unknown_rows_weigh_the_mean_known_row_and_remainders_go_largest_first(t
         (5, 6, 28), (3, 3, 17), (1, 1, 5),  # 50 ns: 27.8 / 16.7 / 5.6 -> 28 / 17 / 5
         (1, 2, 4), (1, 1, 3),  # 3 allocations, 7 ns over two equal rows: ties go to the first row
     ]  # fmt: skip
+
+
+def test_a_window_of_one_row_passes_takes_the_whole_pass_path_to_the_general_rules_rows(tmp_path):
+    """No pass with more than one row (one request decoding alone): share_passes writes them with the
+    whole-pass join, and they are the rows the general statement gives, NULL gpu_ns and unknown (0)
+    tokens included; one mixed pass in the window sends the whole window through the general one."""
+    from llmobs.pipeline import apportion
+
+    steps = pa.table({
+        "pid": pa.array([1] * 4, pa.int32()), "step_seq": [1, 2, 3, 4], "trace_id": ["a" * 32] * 4,
+        "step": [0, 1, 2, 3], "batch_row": [0, 0, 0, 0], "position": [4, 5, 6, 7],
+        "t_start_ns": [100, 200, 300, 400], "t_end_ns": [150, 207, 390, 401],
+        "latency_ns": [50, 7, 90, 1], "tenant": ["x", "x", "y", "y"],
+        "tokens_in_pass": pa.array([0, 1, 3, 0], pa.int32()),
+    })  # fmt: skip
+    agg = {"pid": [1, 1, 1], "step_seq": [1, 3, 4], "probe": ["alloc_cpu"] * 3, "count": [10, 3, 7],
+           "sum_value": [640, 64, 0], "sum_duration_ns": [0, 0, 0]}  # fmt: skip
+    with DuckDBStore(tmp_path / "w.duckdb") as store:
+        assert store.export({"token_steps": steps, "probe_aggregates": agg}).ok
+        correlate(store.connection)
+        conn, params = store.connection, {"since": 0, "pid": None}
+        assert conn.execute(apportion._MIXED_PASSES, params).fetchall() == [(False,)]
+        stored = conn.execute("SELECT * EXCLUDE (t_start_ns) FROM pass_shares ORDER BY step_seq").fetchall()
+        general = conn.execute(
+            f"SELECT * EXCLUDE (pass_start_ns) FROM ({apportion.APPORTION_SQL}) ORDER BY step_seq", params
+        ).fetchall()
+        whole = conn.execute(
+            f"SELECT * EXCLUDE (t_start_ns) FROM ({apportion.WHOLE_PASS_SQL}) ORDER BY step_seq", params
+        ).fetchall()
+        assert stored == general == whole and len(stored) == 4
+        weights = conn.execute("SELECT weight, allocations, gpu_ns FROM pass_shares ORDER BY step_seq")
+        assert weights.fetchall() == [(1, 10, None), (1, 0, None), (3, 3, None), (1, 7, None)]
+
+        second = steps.slice(0, 1)  # a second row of pass 1: the window is mixed now
+        second = second.set_column(second.schema.get_field_index("batch_row"), "batch_row", pa.array([1]))
+        assert store.export({"token_steps": second}).ok
+        assert conn.execute(apportion._MIXED_PASSES, params).fetchall() == [(True,)]
+        correlate(store.connection)
+        pass_one = conn.execute(
+            "SELECT batch_row, weight, allocations FROM pass_shares WHERE step_seq = 1 ORDER BY batch_row"
+        )
+        assert pass_one.fetchall() == [(0, 1, 5), (1, 1, 5)]  # split evenly: both rows unknown
