@@ -6,6 +6,8 @@ keeps what it acknowledged."""
 
 from __future__ import annotations
 
+import threading
+
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -120,3 +122,71 @@ def test_the_final_flush_does_not_wait(store):
 def test_a_negative_wait_is_refused():
     with pytest.raises(OtlpConfigError, match="rollup_wait_s"):
         resolve({"rollup_wait_s": -1.0}, env={})
+
+
+class SignallingTransport(KeepingTransport):
+    """KeepingTransport that also sets `arrived` once a token-step span has come."""
+
+    def __init__(self):
+        super().__init__()
+        self.arrived = threading.Event()
+
+    def send_traces(self, request):
+        result = super().send_traces(request)
+        if self.steps:
+            self.arrived.set()
+        return result
+
+
+def test_a_held_follower_sleeps_until_the_stores_correlate_commit_wakes_it(store):
+    """A follow round held back for rollups sleeps until the store's next correlate commit, not until
+    the held steps would go without their rollup (rollup_wait_s: 120 s here, far past this test's
+    waits), and its sleep still ends at once on shutdown."""
+    steps = _steps(age_s=3.0)
+    store.append({"token_steps": steps, "events": synthetic.events_for_steps(steps)})
+    transport = SignallingTransport()
+    config = resolve({"settle_s": 0.0, "batch_spans": 64, "rollup_wait_s": 120.0}, env={})
+    exporter = OtlpExporter(store.cursor(), config, transport)
+    exporter.follow_rollups(store)
+    exporter.start()
+    try:
+        deadline = clock.monotonic_ns() + 30_000_000_000
+        while exporter.cursor.held_for_ns == 0:  # a round has read the steps and held them
+            assert clock.monotonic_ns() < deadline, "the exporter never held the young steps"
+            threading.Event().wait(0.05)
+        assert exporter.cursor.held_for_ns > 100_000_000_000 and transport.steps == []
+        correlate(store.connection, since_ns=0, pid=PID)
+        store.rollups_committed()  # what the pipeline calls after its correlate commit
+        assert transport.arrived.wait(30), "the commit did not wake the held exporter"
+    finally:
+        exporter.shutdown(timeout=10)
+    assert not exporter._thread.is_alive()
+    assert all(ROLLUP_ATTRIBUTE in keys for _, keys in transport.steps)
+
+
+def test_the_pipelines_correlate_commit_wakes_the_stores_rollup_followers(tmp_path, store):
+    """What wakes the exporter in `attach --otlp`: the pipeline's incremental correlate, once it has
+    committed rollups of steps it read from a real map, calls the store's followers."""
+    from llmobs.pipeline import Pipeline, ShmSource
+
+    from tests.unit.served_runs import ServedRuns
+
+    served = ServedRuns(tmp_path / "shm")
+    woken = threading.Event()
+    store.follow_rollups(woken.set)
+    pipeline = Pipeline(store, served.writer.pid, shm=ShmSource(served.writer.pid, shm_dir=served.shm_dir),
+                        detector=None, snapshot=False, correlate_every_s=0.05)  # fmt: skip
+    try:
+        served.arrive("a", [5, 6, 7], "acme")
+        served.step(["a"])
+        pipeline.poll()  # the steps go to the writer; the correlate thread rolls them up once committed
+        deadline = clock.monotonic_ns() + 30_000_000_000
+        rolled = 0
+        while not rolled:  # each wake-up follows a commit; the first may precede the writer's
+            assert woken.wait(max(deadline - clock.monotonic_ns(), 0) / 1e9), "no commit woke the follower"
+            woken.clear()
+            rolled = store.connection.execute("SELECT count(*) FROM step_rollups").fetchall()[0][0]
+        assert rolled == 1
+    finally:
+        pipeline.close()
+        served.close()

@@ -36,5 +36,6 @@ def start_exporter(store, config: OtlpConfig) -> OtlpExporter:
     from llmobs.otlp.delivery import OtlpExporter
 
     exporter = OtlpExporter(store.cursor(), config, headroom=store.with_headroom)
+    exporter.follow_rollups(store)  # the pipeline correlating this store wakes it
     exporter.start()
     return exporter

@@ -124,6 +124,10 @@ class OtlpExporter:
         self._headroom = headroom or (lambda run: run())
         self.cursor = ExportCursor(conn)
         self.stop = stop or threading.Event()
+        # Set by rollups_committed (the store's follower call after each correlate commit, where
+        # start_exporter registered it): what a round held back for rollups sleeps on (_sleep).
+        self._rollups = threading.Event()
+        self._rollups_followed = False
         self.transport = transport or make_transport(config)
         self.counters = ExportCounters()
         self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s, stop=self.stop)
@@ -354,7 +358,7 @@ class OtlpExporter:
                     self.counters.last_error = f"store: {str(exc).splitlines()[0]}"
                     log.error("%s", self.counters.last_error)
                 self._idle()
-                self.stop.wait(wait_s)
+                self._sleep(wait_s)
             self.maybe_send_metrics(force=True)
             return self.counters
         give_up = None if give_up_after_s is None else clock.monotonic_ns() + int(give_up_after_s * 1e9)
@@ -373,6 +377,29 @@ class OtlpExporter:
         the last, up to IDLE_POLL_MAX_S (or poll_interval_s, if that is longer)."""
         interval = self.config.poll_interval_s
         return interval if sent else min(wait_s * 2, max(IDLE_POLL_MAX_S, interval))
+
+    def follow_rollups(self, store) -> None:
+        """Be woken by `store` (a DuckDBStore) after each correlate commit on it, so that a round held
+        back for rollups sleeps until then (_sleep): for a live store correlated in this process."""
+        store.follow_rollups(self._rollups.set)
+        self._rollups_followed = True
+
+    def _sleep(self, wait_s: float) -> None:
+        """Between follow rounds: `wait_s`; or, after a round held back by a step waiting for its
+        rollup on a store that wakes this exporter (follow_rollups), until the next correlate commit or
+        until that step would go without its rollup, checking `stop` every IDLE_POLL_MAX_S. At a slowly
+        stepping target, whose steps wait ~15 s for correlation, the rounds polled in between read the
+        same held steps again and sent nothing: most of the exporter's CPU there."""
+        held_s = self.cursor.held_for_ns / 1e9
+        if not (self._rollups_followed and held_s > wait_s):
+            self.stop.wait(wait_s)
+            return
+        deadline_ns = clock.monotonic_ns() + self.cursor.held_for_ns
+        while not self.stop.is_set():
+            left = (deadline_ns - clock.monotonic_ns()) / 1e9
+            if left <= 0 or self._rollups.wait(min(left, IDLE_POLL_MAX_S)):
+                break
+        self._rollups.clear()  # before the next round reads: a commit during it sets it again
 
     def _idle(self) -> None:
         """Between rounds, nothing held: a live store's cursor (StoreCursor) goes back to the store, so

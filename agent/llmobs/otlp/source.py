@@ -331,6 +331,9 @@ class ExportCursor:
         self._rare = {name: look for name, (table, look) in _RARE_SOURCES.items() if table in tables}
         self._rare_seen: set[str] = set()
         self._cursor_pids: set[int] = set()  # pids whose otlp_cursor row this exporter has written
+        # After next_batch: how long until its first step held for its rollup goes without one (0: none
+        # held). The follow loop sleeps that long where the store wakes it at each correlate commit.
+        self.held_for_ns = 0
 
     # -- state ---------------------------------------------------------------------------------------
 
@@ -402,8 +405,12 @@ class ExportCursor:
             late = np.flatnonzero(table.column("t_start_ns").to_numpy() > cutoff_ns)
             if len(late):
                 table = table.slice(0, int(late[0]))
+        self.held_for_ns = 0
         if rollup_cutoff_ns is not None and table.num_rows:
-            table = table.slice(0, self._rolled_up_rows(table, rollup_cutoff_ns))
+            ready = self._rolled_up_rows(table, rollup_cutoff_ns)
+            if ready < table.num_rows:  # the first waiting step goes at the latest once past the cutoff
+                self.held_for_ns = max(int(table.column("t_start_ns")[ready].as_py()) - rollup_cutoff_ns, 0)
+            table = table.slice(0, ready)
         events = None
         rollups: pa.Table | None = None
         gpu_time: list[dict] = []

@@ -408,6 +408,7 @@ class Pipeline:
                     self.correlate_runs += 1
                     with self._since_lock:
                         self._unrolled_since, self._last_rolled_ns = None, previous
+                    self.store.rollups_committed()  # an exporter waiting for these rollups goes now
                     began = STAGES.charge("correlate", began)
                     if self.anomalies is not None:  # anomalies of steps rolled up now get their evidence
                         self.anomalies.refresh_evidence(conn, self.pid, since)

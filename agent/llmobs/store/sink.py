@@ -11,6 +11,7 @@ are counted and the last error kept. `append()` is the raising form, for tools a
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -26,6 +27,8 @@ from llmobs.errors import StoreError
 from llmobs.stagecpu import STAGES
 from llmobs.store import schema
 from llmobs.store.batches import TableLike, to_arrow
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DB_PATH = Path("/var/lib/llmobs/llmobs.duckdb")
 DB_PATH_ENV = environment.LLMOBS_DB  # overrides the default path; `--db` overrides both
@@ -185,7 +188,22 @@ class DuckDBStore:
         self.recycle_rows = recycle_rows  # None: never reopened for memory (tools, tests, readers)
         self._recycle_due = recycle_rows
         self.recycles = 0
+        self._rollup_followers: list[Callable[[], None]] = []
         self._open()
+
+    def follow_rollups(self, wake: Callable[[], None]) -> None:
+        """Call `wake()` after each correlate commit on this store (rollups_committed): a follower that
+        waits for rollups (the OTLP exporter, whose young steps wait for theirs) sleeps until then
+        instead of polling for them."""
+        self._rollup_followers.append(wake)
+
+    def rollups_committed(self) -> None:
+        """Called by the pipeline after a correlate run committed (from its thread); never raises."""
+        for wake in list(self._rollup_followers):
+            try:
+                wake()
+            except Exception:  # a follower's wake-up must not fail the correlate that called it
+                log.exception("a rollup follower's wake-up failed")
 
     def with_headroom(self, run: Callable[[], T]) -> T:
         """`run()`; if DuckDB runs out of the store's memory cap, run it once more with the cap raised
