@@ -7,28 +7,17 @@ Real parts: ServingPublisher -> map -> ShmReader -> DuckDB store -> one long-liv
 
 from __future__ import annotations
 
-import pytest
 from llmobs.otlp.config import resolve
 from llmobs.otlp.delivery import OtlpExporter
 from llmobs.store.sink import DuckDBStore
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
-from tests.unit.served_runs import ServedRuns
+from tests.unit import test_otlp_unfinished
 from tests.unit.test_otlp_unfinished import Recording, attrs, requests_of
 
-
-@pytest.fixture
-def served(tmp_path):
-    runs = ServedRuns(tmp_path / "shm")
-    yield runs
-    runs.close()
-
-
-@pytest.fixture
-def store(tmp_path):
-    store = DuckDBStore(tmp_path / "s.duckdb")
-    yield store
-    store.close()
+# The same real map and store as test_otlp_unfinished's tests (its fixtures, reused by name).
+served = test_otlp_unfinished.served
+store = test_otlp_unfinished.store
 
 
 def following(store: DuckDBStore) -> tuple[OtlpExporter, Recording]:
