@@ -10,7 +10,7 @@ from llmobs.bpf.profiles import PROBES
 from llmobs.bpf.records import EVENT_DTYPE
 from llmobs.store import DuckDBStore, synthetic
 from llmobs.store.ingest import EventDecoder
-from llmobs.store.writer import StoreWriter
+from llmobs.store.writer import SMALL_COMMIT_ROWS, StoreWriter
 
 
 def _records(n, seed=0):
@@ -147,3 +147,41 @@ def test_the_hold_is_never_shorter_than_the_delay(store):
     writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_delay_s=10, max_hold_s=1)
     assert writer.max_hold_s == 10
     assert writer.close(timeout=10)
+
+
+def _asleep(writer) -> bool:
+    """The writer took everything queued and sleeps again (until its deadline or a wake-up)."""
+    return writer._queue.qsize() == 0 and writer._queue._waiting
+
+
+def test_a_slow_source_does_not_wake_the_writer_for_every_item(store):
+    # each wake-up of a sleeping thread costs ~40 us of CPU a side here: a slowly stepping target's
+    # ~25 small items a second wait for the commit's deadline instead of waking the writer one by one
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_delay_s=60, max_hold_s=60)
+    assert writer.submit({"token_steps": _map_steps(0, 2)})  # asleep with nothing pending: woken once
+    _wait_until(lambda: _asleep(writer))
+    for i in range(1, 20):
+        assert writer.submit({"token_steps": _map_steps(10 * i, 2)})
+    assert writer._queue.wakeups == 1  # the 19 wait for the deadline
+    assert writer.flush(timeout=30)
+    assert writer._queue.wakeups == 2 and writer.counters.commits == 1
+    assert store.count("token_steps") == 40
+    assert writer.close()
+
+
+def test_enough_rows_or_items_wake_the_writer_before_its_deadline(store):
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_delay_s=60, max_hold_s=60,
+                         queue_items=8)  # fmt: skip
+    assert writer.submit({"token_steps": _map_steps(0, 1)})
+    _wait_until(lambda: _asleep(writer))
+    assert writer.submit(_records(SMALL_COMMIT_ROWS))  # a small commit's hold ends: taken now
+    _wait_until(lambda: _asleep(writer))
+    assert writer._queue.wakeups == 2
+    for i in range(3):  # under half the queue: they wait
+        assert writer.submit(_records(2, seed=i))
+    assert writer._queue.wakeups == 2
+    assert writer.submit(_records(2, seed=9))  # half of queue_items: taken before the queue can fill
+    _wait_until(lambda: _asleep(writer))
+    assert writer._queue.wakeups == 3 and writer.counters.dropped_rows == 0
+    assert writer.close(timeout=30)
+    assert store.count("mem_events") == SMALL_COMMIT_ROWS + 8 and store.count("token_steps") == 1

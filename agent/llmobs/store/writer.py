@@ -15,13 +15,21 @@ column by column): at a slowly stepping target the pipeline hands ~25 tiny items
 converting each on arrival (~0.4-0.5 ms of numpy and Arrow setup apiece) cost more than the rows. Held
 raw rows are converted as soon as they reach CONVERT_ROWS, so a fast source never holds more than that
 unconverted (a bounded copy).
+
+Why the thread is not woken by every submit (_Inbox): waking a sleeping thread costs ~40 us of CPU on
+each side on this project's VMs (an IPI to an idle vCPU, then a GIL hand-over), and the drain loop
+submits 2-3 items on each of its ~10 wake-ups a second at a slowly stepping target: ~25 thread
+wake-ups a second that did nothing but move an item from one list to another. The thread now sleeps
+until it has a reason to run (its commit is due, or enough rows or items arrived to convert, to commit
+or to keep the queue from filling), and a submit wakes it only then, or when it sleeps with nothing
+pending (so that it arms its timer).
 """
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -77,7 +85,7 @@ class StoreWriter:
         self.max_delay_s = max_delay_s
         self.max_hold_s = max(max_hold_s, max_delay_s)
         self.counters = WriterCounters()
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_items)
+        self._queue = _Inbox(queue_items)
         self._idle = threading.Condition()
         self._outstanding = 0  # items accepted by submit() and not yet committed or failed
         self._thread = threading.Thread(target=self._run, name="llmobs-store-writer", daemon=True)
@@ -97,9 +105,7 @@ class StoreWriter:
         if isinstance(item, np.ndarray) and self.decoder is None:
             raise TypeError("StoreWriter got ring records but has no EventDecoder")
         with self._idle:
-            try:
-                self._queue.put_nowait(item)
-            except queue.Full:
+            if not self._queue.put(item, rows):
                 self.counters.dropped_rows += rows
                 return False
             self._outstanding += 1
@@ -107,30 +113,35 @@ class StoreWriter:
 
     def _run(self) -> None:
         pending = _Pending(self)
-        first_at = 0.0
+        first_at = 0.0  # when the first item of `pending` was submitted
         while True:
-            timeout = (
-                None if not pending.items else max(0.0, first_at + self._delay(pending) - time.monotonic())
-            )
-            try:
-                item = self._queue.get(timeout=timeout)
-            except queue.Empty:
-                item = None
-            control = item is _STOP or item is _FLUSH
-            if item is not None and not control:
-                if not pending.items:
-                    first_at = time.monotonic()
-                pending.add(item)
-            due = pending.items and time.monotonic() - first_at >= self._delay(pending)
-            if pending.items and (control or pending.rows >= self.max_rows or due):
+            deadline = first_at + self._delay(pending) if pending.items else None
+            for item, rows, submitted_at in self._queue.take(deadline, self._wake_rows(pending)):
+                control = item is _STOP or item is _FLUSH
+                if not control:
+                    if not pending.items:
+                        first_at = submitted_at
+                    pending.add(item, rows)
+                if pending.items and (control or pending.rows >= self.max_rows):
+                    self._commit(pending)
+                    pending = _Pending(self)
+                if item is _STOP:
+                    return
+            if pending.items and time.monotonic() - first_at >= self._delay(pending):
                 self._commit(pending)
                 pending = _Pending(self)
-            if item is _STOP:
-                return
 
     def _delay(self, pending: _Pending) -> float:
         """How long the first pending item may wait: max_delay_s, or max_hold_s for a small commit."""
         return self.max_delay_s if pending.rows >= SMALL_COMMIT_ROWS else self.max_hold_s
+
+    def _wake_rows(self, pending: _Pending) -> int:
+        """Rows queued that make the thread run before its deadline: enough to convert (CONVERT_ROWS held
+        raw), to commit (max_rows), or to end a small commit's longer hold (SMALL_COMMIT_ROWS)."""
+        limits = [CONVERT_ROWS - pending.raw_rows, self.max_rows - pending.rows]
+        if pending.rows < SMALL_COMMIT_ROWS:
+            limits.append(SMALL_COMMIT_ROWS - pending.rows)
+        return max(1, min(limits))
 
     def _commit(self, pending: _Pending) -> None:
         merged, rows = pending.tables()
@@ -159,10 +170,7 @@ class StoreWriter:
     def flush(self, timeout: float | None = None) -> bool:
         """Commit everything submitted so far now; False if that did not finish within `timeout`."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            self._queue.put(_FLUSH, timeout=timeout)
-        except queue.Full:
-            return False
+        self._queue.put(_FLUSH, 0, control=True)
         with self._idle:
             return self._idle.wait_for(
                 lambda: self._outstanding == 0,
@@ -171,7 +179,7 @@ class StoreWriter:
 
     def close(self, timeout: float | None = 10.0) -> SinkResult:
         """Commit what is pending and stop the thread; falsy if it did not finish in time."""
-        self._queue.put(_STOP)
+        self._queue.put(_STOP, 0, control=True)
         self._thread.join(timeout)
         c = self.counters
         return SinkResult(
@@ -180,6 +188,73 @@ class StoreWriter:
             dropped={"queue_full": c.dropped_rows, "commit_failed": c.failed_rows},
             error=self.store.counters.last_error,
             finished=not self._thread.is_alive(),
+        )
+
+
+class _Inbox:
+    """The writer thread's queue: bounded (a full one refuses, the caller counts the drop), put never
+    blocks, and the thread is woken only when it has a reason to run (the module's docstring says why):
+
+      - it sleeps with nothing pending (no deadline): the first item arms its timer;
+      - the queue holds `wake_rows` rows (the thread's figure: enough to convert or commit), or half of
+        its `maxsize` items (so that a fast source does not fill it before the deadline);
+      - a control item (flush, stop), which is never refused.
+
+    Otherwise the items wait for the thread's own deadline (its commit's max_delay_s / max_hold_s)."""
+
+    def __init__(self, maxsize: int):
+        self.maxsize = maxsize
+        self._wake_items = max(1, maxsize // 2)
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._items: deque = deque()  # (item, rows, submitted at)
+        self._rows = 0
+        self._controls = 0
+        self._wake_rows = 1
+        self._timed = False  # the thread sleeps until a deadline (False: until woken)
+        self._waiting = False  # the thread is inside wait()
+        self.wakeups = 0  # puts that woke the waiting thread (what the inbox exists to keep rare)
+
+    def qsize(self) -> int:
+        return len(self._items)
+
+    def put(self, item, rows: int, control: bool = False) -> bool:
+        with self._lock:
+            if not control and len(self._items) >= self.maxsize:
+                return False
+            self._items.append((item, rows, time.monotonic()))
+            self._rows += rows
+            self._controls += control
+            if self._waiting and self._due():
+                self.wakeups += 1
+                self._ready.notify()
+        return True
+
+    def take(self, deadline: float | None, wake_rows: int) -> list[tuple]:
+        """Everything queued, once the thread has a reason to run or `deadline` (monotonic) has passed;
+        waits for that (with deadline None, until an item arrives)."""
+        with self._lock:
+            self._wake_rows, self._timed = wake_rows, deadline is not None
+            while not self._due():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._waiting = True
+                self._ready.wait(left)
+                self._waiting = False
+            items, self._items = list(self._items), deque()
+            self._rows = self._controls = 0
+            self._timed = False  # running: the next take() says how it sleeps
+            return items
+
+    def _due(self) -> bool:
+        if not self._items:
+            return False
+        return (
+            not self._timed
+            or self._controls > 0
+            or self._rows >= self._wake_rows
+            or len(self._items) >= self._wake_items
         )
 
 
@@ -204,16 +279,15 @@ class _Pending:
         self.rows = 0  # rows of the items, converted or not
         self.good_rows = 0  # rows converted so far
         self._raw: list = []
-        self._raw_rows = 0
+        self.raw_rows = 0  # rows held raw (not converted yet)
         self._parts: dict[str, list[pa.Table]] = {}
 
-    def add(self, item) -> None:
-        rows = StoreWriter._rows(item)
+    def add(self, item, rows: int) -> None:
         self.items += 1
         self.rows += rows
         self._raw.append((item, rows))
-        self._raw_rows += rows
-        if self._raw_rows >= CONVERT_ROWS:
+        self.raw_rows += rows
+        if self.raw_rows >= CONVERT_ROWS:
             self._convert()
 
     def tables(self) -> tuple[dict[str, pa.Table], int]:
@@ -230,7 +304,7 @@ class _Pending:
         return merged, self.good_rows
 
     def _convert(self) -> None:
-        raw, self._raw, self._raw_rows = self._raw, [], 0
+        raw, self._raw, self.raw_rows = self._raw, [], 0
         if not raw:
             return
         try:
