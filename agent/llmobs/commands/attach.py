@@ -343,6 +343,10 @@ def _print_degrades(counts: dict, stream) -> None:
         parts.append(
             f"correlate runs put off {counts['correlate_stretched']:,} time(s) (their CPU above its share)"
         )
+    if counts.get("correlate_put_off"):
+        parts.append(
+            f"correlate runs put off {counts['correlate_put_off']:,} more time(s) (no one awaited rollups)"
+        )
     if counts.get("map_reads_deferred"):
         parts.append(
             f"map reads deferred {counts['map_reads_deferred']:,} time(s) (held to the next map period)"

@@ -197,6 +197,11 @@ class DuckDBStore:
         instead of polling for them."""
         self._rollup_followers.append(wake)
 
+    @property
+    def rollups_followed(self) -> bool:
+        """Someone waits for this store's rollups as they are committed (an OTLP exporter follows)."""
+        return bool(self._rollup_followers)
+
     def rollups_committed(self) -> None:
         """Called by the pipeline after a correlate run committed (from its thread); never raises."""
         for wake in list(self._rollup_followers):
