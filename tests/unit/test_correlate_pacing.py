@@ -1,7 +1,8 @@
 """Correlation is paced by who waits for it (pipeline/core.py CORRELATE_UNAWAITED_S): while no OTLP
 exporter follows the store's rollups and no anomaly was flagged lately, a due correlate run is put off
-(counted) until CORRELATE_UNAWAITED_S after the last one; an exporter keeps every run, and a newly
-flagged anomaly is owed two runs (its evidence). A real Pipeline on a real map and DuckDB file."""
+(counted) until CORRELATE_UNAWAITED_S after the last one, unless PUT_OFF_MAX_STEPS steps wait for it;
+an exporter keeps every run, and a newly flagged anomaly is owed two runs (its evidence). A real
+Pipeline on a real map and DuckDB file."""
 
 from __future__ import annotations
 
@@ -76,5 +77,17 @@ def test_a_flagged_anomaly_is_owed_two_runs(tmp_path, served):
             put_off = pipeline.correlate_put_off
             _step_until(served, pipeline, lambda: pipeline.correlate_put_off > put_off)
             assert pipeline.correlate_runs == runs + 2
+        finally:
+            pipeline.close()
+
+
+def test_a_busy_target_is_not_put_off(tmp_path, served, monkeypatch):
+    monkeypatch.setattr(core, "PUT_OFF_MAX_STEPS", 5)  # a busy target: steps enough wait for each run
+    with DuckDBStore(tmp_path / "s.duckdb") as store:
+        pipeline = _pipeline(served, store, detector=None)
+        try:
+            served.arrive("a", [5, 6, 7], "acme")
+            _step_until(served, pipeline, lambda: pipeline.correlate_runs >= 3)
+            assert pipeline.correlate_put_off < 5 * pipeline.correlate_runs  # each run after <= 5 steps
         finally:
             pipeline.close()
