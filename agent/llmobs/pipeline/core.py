@@ -441,9 +441,11 @@ class Pipeline:
             conn.idle()
 
     def _put_off(self, previous_ns: int | None) -> bool:
-        """A due run put off: nothing waits for its rollups and the last run is under
-        CORRELATE_UNAWAITED_S old (its window, `_pending_since`, keeps until the run). Newly flagged
-        anomalies are owed two runs: their step may still sit in the writer's held commit at the first."""
+        """A due run put off: nothing waits for its rollups, the last run is under CORRELATE_UNAWAITED_S
+        old and fewer than PUT_OFF_MAX_STEPS steps wait (its window, `_pending_since`, keeps until the
+        run). Newly flagged anomalies are owed two runs: their step may still sit in the writer's held
+        commit at the first. `_steps_unrolled` is counted by the drain loop and reset here without a
+        lock: a step lost in that race only shifts when a busy target's run goes, never what it rolls."""
         rows = self.anomalies.counters.rows if self.anomalies is not None else 0
         if rows != self._anomaly_rows_seen:
             self._anomaly_rows_seen, self._awaited_runs = rows, 2
