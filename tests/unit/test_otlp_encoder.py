@@ -120,6 +120,49 @@ def test_events_go_on_one_span_per_pass_capped_with_the_rest_counted(store):
             assert span.start_time_unix_nano <= event.time_unix_nano <= span.end_time_unix_nano
 
 
+def test_events_go_on_the_span_of_their_own_trace_else_the_pass_first_row(tmp_path):
+    """An event is matched to a step by its stored trace words: the row of its own trace in the pass
+    (here batch row 1, not the first row), else the pass's first row (an untracked event, trace 0/0)."""
+    store = DuckDBStore(tmp_path / "t.duckdb")
+    steps = synthetic.token_steps(PID, 3, 4, batch_rows=3, seed=5)
+    events = synthetic.events_for_steps(steps)
+    rows = steps.to_pylist()
+    second_row_trace = {r["step_seq"]: r["trace_id"] for r in rows if r["batch_row"] == 1}
+    seqs = events["step_seq"].to_pylist()
+    traces = [second_row_trace[seq] for seq in seqs]
+    traces[0] = ""  # one untracked event: its pass's first row carries it
+    events = events.set_column(events.schema.get_field_index("trace_id"), "trace_id", pa.array(traces))
+    store.append({"token_steps": steps, "events": events})
+    correlate.correlate(store.connection)
+    batch = batch_of(store)
+    spans = spans_of(TraceEncoder(SpanIds(), 0).encode(batch))
+    by_row = {}
+    for span in spans:
+        attrs = {kv.key: kv.value for kv in span.attributes}
+        if "llmobs.batch_row" in attrs:
+            by_row[(attrs["llmobs.step_seq"].int_value, attrs["llmobs.batch_row"].int_value)] = span
+    per_pass = sum(p.count for p in synthetic.DEFAULT_PROBES)
+    untracked_seq = seqs[0]
+    for (seq, row), span in by_row.items():
+        expected = {1: per_pass - (seq == untracked_seq), 0: int(seq == untracked_seq)}.get(row, 0)
+        assert len(span.events) == expected, (seq, row)
+    store.close()
+
+
+def test_sampling_keeps_the_events_of_kept_traces_only(tmp_path):
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    steps = synthetic.token_steps(PID, 12, 2, batch_rows=1, seed=9)
+    store.append({"token_steps": steps, "events": synthetic.events_for_steps(steps)})
+    batch = batch_of(store)
+    traces = sorted(set(steps["trace_id"].to_pylist()))
+    kept = set(traces[::3])
+    sampled = batch.only(lambda trace: trace in kept)
+    assert set(sampled.events["trace_hi"].to_pylist()) == {int(t[:16], 16) for t in kept}
+    per_pass = sum(p.count for p in synthetic.DEFAULT_PROBES)
+    assert sampled.events.num_rows == per_pass * 2 * len(kept)  # 2 passes (tokens) per trace
+    store.close()
+
+
 def test_kernel_classes():
     assert kernel_class("ampere_sgemm_128x64_tn") == "gemm"
     assert kernel_class("void flash_fwd_kernel<Flash_fwd_kernel_traits<128>>") == "attention"

@@ -31,6 +31,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from llmobs.otlp import wire
 from llmobs.otlp.served import request_span, served_span_id
 from llmobs.otlp.source import StepBatch
+from llmobs.shm.hashing import stored_trace_words
 
 SCOPE_NAME = "llmobs-agent"
 SCOPE_VERSION = "0.1.0"
@@ -620,7 +621,8 @@ class TraceEncoder:
             owner = owners.of(
                 events.column("pid").to_numpy(),
                 events.column("step_seq").to_numpy(),
-                events.column("trace_id"),
+                events.column("trace_hi").to_numpy(),
+                events.column("trace_lo").to_numpy(),
             )
             keep = np.flatnonzero(owner >= 0)
             order = keep[np.argsort(owner[keep], kind="stable")]  # per span, in the query's order
@@ -725,12 +727,21 @@ class _Owners:
     def __init__(self, steps: pa.Table, pid: np.ndarray, seq: np.ndarray):
         self.steps, self.pid, self.seq = steps, pid, seq
 
-    def of(self, pid: np.ndarray, seq: np.ndarray, trace) -> np.ndarray:
-        """The owning step row of each event (pid, step_seq, trace_id columns); -1 for none."""
+    def of(self, pid: np.ndarray, seq: np.ndarray, trace_hi: np.ndarray, trace_lo: np.ndarray) -> np.ndarray:
+        """The owning step row of each event (pid, step_seq and the trace id's two stored words); -1 for
+        none. The steps' hex trace ids are turned into words once per distinct trace (a few a batch); a
+        step whose trace no pair of words writes gets its own key, which no event has."""
         n = len(self.pid)
-        codes, _ = string_codes(self.steps.column("trace_id"), trace)
+        codes, traces = string_codes(self.steps.column("trace_id"))
+        words = [stored_trace_words(text) for text in traces]
+        odd = np.array([w is None for w in words], dtype=np.int64)
+        hi = np.array([w[0] if w else 0 for w in words], dtype=np.uint64)
+        lo = np.array([w[1] if w else 0 for w in words], dtype=np.uint64)
         all_pid, all_seq = np.r_[self.pid, pid], np.r_[self.seq, seq]
-        by_trace = key_ids(all_pid, all_seq, codes)
+        all_hi = np.r_[hi[codes], np.asarray(trace_hi, np.uint64)].view(np.int64)
+        all_lo = np.r_[lo[codes], np.asarray(trace_lo, np.uint64)].view(np.int64)
+        all_odd = np.r_[np.where(odd[codes] == 1, codes + 1, 0), np.zeros(len(pid), np.int64)]
+        by_trace = key_ids(all_pid, all_seq, all_hi, all_lo, all_odd)
         by_pass = key_ids(all_pid, all_seq)
         last = _first_of(by_trace[:n], int(by_trace.max()) + 1, last=True)[by_trace[n:]]
         first = _first_of(by_pass[:n], int(by_pass.max()) + 1)[by_pass[n:]]

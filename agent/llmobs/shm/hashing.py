@@ -29,6 +29,25 @@ def trace_hex(hi: int, lo: int) -> str:
     return f"{hi:016x}{lo:016x}"
 
 
+def stored_trace_hex(hi: int, lo: int) -> str:
+    """A stored trace id's hex form as the store's trace_hex macro gives it: '' for none (both words 0)."""
+    return "" if hi == 0 and lo == 0 else trace_hex(hi, lo)
+
+
+def stored_trace_words(text: str) -> tuple[int, int] | None:
+    """The two words whose stored_trace_hex is `text`; None where no pair gives it (not 32 lowercase hex
+    digits): such a trace matches no stored event."""
+    if text == "":
+        return 0, 0
+    if len(text) != 32:
+        return None
+    try:
+        hi, lo = int(text[:16], 16), int(text[16:], 16)
+    except ValueError:
+        return None
+    return (hi, lo) if trace_hex(hi, lo) == text else None
+
+
 def name_hash(text: str | None) -> int:
     """64-bit hash of a tenant/session/model string; None or "" -> 0."""
     if not text:
