@@ -28,6 +28,7 @@ THREAD_CTX = "llmobs.shm.c.libllmobs_otel_thread_ctx"  # -> llmobs/shm/c/libllmo
 THREAD_CTX_SOURCE = "agent/llmobs/shm/c/otel_thread_ctx.c"
 WIRE_GATHER = "llmobs.otlp._wire_gather"
 WIRE_GATHER_SOURCE = "agent/llmobs/otlp/c/wire_gather.c"
+C_HEADERS = "agent/llmobs/c"  # blake2b_64.h: the span-id hash both C sources compute
 OPTIONAL = {  # extension -> what goes without it, for the warning a failed build prints
     THREAD_CTX: "the OTEP 4947 thread-context library was not built ({exc}); instrumented processes "
     "publish no thread context",
@@ -79,6 +80,8 @@ def thread_ctx_extension() -> Extension:
     return Extension(
         THREAD_CTX,
         sources=[THREAD_CTX_SOURCE],
+        include_dirs=[C_HEADERS],
+        depends=[f"{C_HEADERS}/blake2b_64.h"],
         define_macros=macros,
         # TLSDESC, the TLS model OTEP 4947 recommends to writers (see the source's header comment)
         extra_compile_args=["-O2", "-mtls-dialect=gnu2", "-Wall", "-Wextra"],
@@ -91,6 +94,8 @@ def wire_gather_extension() -> Extension:
     return Extension(
         WIRE_GATHER,
         sources=[WIRE_GATHER_SOURCE],
+        include_dirs=[C_HEADERS],
+        depends=[f"{C_HEADERS}/blake2b_64.h"],
         extra_compile_args=["-O2", "-Wall", "-Wextra"],
         optional=True,
         py_limited_api=True,  # Py_LIMITED_API 3.11, as the source defines

@@ -17,8 +17,12 @@ Then, side by side, the previous release against this tree (skip with --no-basel
 subprocess of bench/runtime_arm.py `otlp` with PYTHONPATH=<tree>/agent (a fresh store of --steps
 synthetic, correlated steps exported over gRPC to the same rotel), interleaved ABBA, with the ratio
 this tree / main and its 95% interval; the figure is the arm's CPU (time.process_time) per 1,000 spans.
+Each arm reads the store as a running agent opens it (--store agent, the default: one DuckDB thread and
+its memory cap, as `attach --otlp` and `run` export) or with DuckDB's defaults (--store default, as
+`llmobs-agent otlp --db` does).
 
-    .venv/bin/python -m bench.otlp [--steps N] [--rounds R] [--baseline DIR | --no-baseline] [--json PATH]
+    .venv/bin/python -m bench.otlp [--steps N] [--rounds R] [--baseline DIR | --no-baseline]
+        [--store agent|default] [--json PATH]
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ def side_by_side(report: Report, rotel: Rotel, args) -> None:
     if not (args.baseline / "agent" / "llmobs" / "__init__.py").exists():
         report.note(f"no baseline tree at {args.baseline}: git worktree add --detach {args.baseline} main")
         return
-    opts = {"steps": args.steps, "endpoint": rotel.grpc_endpoint}
+    opts = {"steps": args.steps, "endpoint": rotel.grpc_endpoint, "store": args.store}
     imported: dict[str, str] = {}
     trees = {"main": args.baseline, "this tree": REPO}
     arms = [arm(name, tree, "otlp", opts, imported) for name, tree in trees.items()]
@@ -134,7 +138,8 @@ def side_by_side(report: Report, rotel: Rotel, args) -> None:
     def clear_log(comparison, index, name) -> None:
         rotel.logs[-1].write_bytes(b"")
 
-    made = report.compare("OTLP over gRPC, main vs this tree", arms, args.rounds, baseline="main",
+    made = report.compare(f"OTLP over gRPC, main vs this tree ({args.store} store)", arms, args.rounds,
+                          baseline="main",
                           better={"CPU ms/1k spans": "lower", "spans/s": "higher"},
                           metrics=["CPU ms/1k spans", "spans/s", "spans"], progress=clear_log)  # fmt: skip
     ours = made.median("this tree", "CPU ms/1k spans")
@@ -155,6 +160,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--baseline", type=Path, default=BASELINE, help=f"main's tree (default {BASELINE})")
     parser.add_argument("--no-baseline", action="store_true", help="skip the side-by-side with main")
+    parser.add_argument("--store", choices=("agent", "default"), default="agent",
+                        help="side by side: read the store as a running agent does (one DuckDB thread, "
+                             "its memory cap) or with DuckDB's defaults (otlp --db)")  # fmt: skip
     add_json_option(parser)
     args = parser.parse_args()
     report = Report("otlp", args)

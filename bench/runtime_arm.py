@@ -70,20 +70,29 @@ def _correlate():
 
 def otlp(opts: dict) -> dict:
     """A store of synthetic token steps (with events, correlated) exported by OtlpExporter over gRPC to
-    the rotel collector runtime.py runs on loopback: spans/s of the export alone."""
+    the rotel collector runtime.py runs on loopback: spans/s of the export alone. With opts["store"] =
+    "agent" the export reads the store as a running agent opens it (`attach --otlp`, `run`: one DuckDB
+    thread, its memory cap; llmobs.store.sink.agent_store where the tree has it), else as `llmobs-agent
+    otlp --db` does (DuckDB's defaults)."""
     from llmobs import clock
     from llmobs.otlp.config import resolve
     from llmobs.otlp.delivery import OtlpExporter
     from llmobs.store import DuckDBStore, synthetic
 
     with tempfile.TemporaryDirectory(prefix="llmobs-rt-otlp-") as tmp:
-        store = DuckDBStore(Path(tmp) / "otlp.duckdb")
+        path = Path(tmp) / "otlp.duckdb"
+        store = DuckDBStore(path)
         steps = synthetic.token_steps(
             4242, max(opts["steps"] // 100, 1), 100, batch_rows=4,
             start_ns=max(clock.monotonic_ns() - 300_000_000_000, 1_000_000_000),
         )  # fmt: skip
         store.append({"token_steps": steps, "events": synthetic.events_for_steps(steps)})
         _correlate().correlate(store.connection)
+        if opts.get("store") == "agent":
+            from llmobs.store import sink
+
+            store.close()
+            store = sink.agent_store(path) if hasattr(sink, "agent_store") else DuckDBStore(path)
         # the tree's own default batch (512 before session 10, 2,048 since): each arm as it ships
         config = resolve({"endpoint": opts["endpoint"], "protocol": "grpc"}, env={})
         exporter = OtlpExporter(store.connection.cursor(), config, None)

@@ -64,3 +64,37 @@ def test_the_c_gather_refuses_lengths_that_do_not_add_up():
     for total in (4, 6):
         with pytest.raises(ValueError):
             wire._c_gather(2, total, [segment])
+
+
+def python_span_ids(monkeypatch, *args) -> bytes:
+    monkeypatch.setattr(wire, "_c_step_span_ids", None)
+    return wire.step_span_ids(*args)
+
+
+def test_the_c_span_ids_are_hashlibs_and_the_encoders(monkeypatch):
+    """The C hash of a batch's step span ids: the bytes of the hashlib path, for every prefix length the
+    one-block and multi-block cases meet (a 300-byte trace text spans three 128-byte blocks), negative
+    and 19-digit numbers, and the span id SpanIds.step_span_id gives one step."""
+    from llmobs.otlp.encoder import SpanIds
+
+    rng = np.random.default_rng(11)
+    prefixes = [
+        f"step\x1f{pid}\x1f{'ab' * width}\x1f".encode() for pid, width in ((1, 16), (42, 0), (7, 150))
+    ]
+    n = 500
+    prefix_of = rng.integers(0, len(prefixes), n)
+    seq = rng.integers(-(2**62), 2**62, n)
+    row = rng.integers(0, 64, n)
+    seq[:3] = (0, -1, 2**63 - 1)
+    ids = wire.step_span_ids(prefixes, prefix_of, seq, row)
+    assert len(ids) == 8 * n
+    assert ids == python_span_ids(monkeypatch, prefixes, prefix_of, seq, row)
+    one = SpanIds.step_span_id(42, "", int(seq[5]), int(row[5]))
+    assert wire.step_span_ids(prefixes, np.array([1]), seq[5:6], row[5:6]) == one
+
+
+def test_the_c_span_ids_refuse_a_prefix_outside_their_buffer():
+    with pytest.raises(ValueError, match="prefix"):
+        wire._c_step_span_ids(b"abc", np.array([2]), np.array([5]), np.array([1]), np.array([0]))
+    with pytest.raises(ValueError):  # fewer numbers than prefixes
+        wire._c_step_span_ids(b"abc", np.array([0, 1]), np.array([1, 1]), np.array([1]), np.array([0, 0]))

@@ -185,27 +185,16 @@ class SpanIds:
         codes, traces = string_codes(trace)
         pid, request = pid.astype(np.int64), request.astype(np.int64)
         inverse, one = _sorted_keys((pid, codes, request))
-        trace_of, parent_of, prefix_of = [], [], []
+        trace_of, parent_of, prefixes = [], [], []
         for p, code, req in zip(pid[one].tolist(), codes[one].tolist(), request[one].tolist(), strict=True):
             text = traces[code]
             trace_of.append(self.trace_id(p, text))
             parent_of.append(served_span_id(p, text, req) if req else self.request_span_id(p, text))
-            prefix_of.append(f"step\x1f{p}\x1f{text}\x1f")
+            prefixes.append(f"step\x1f{p}\x1f{text}\x1f".encode())
         trace_ids = np.frombuffer(b"".join(trace_of), np.uint8).reshape(-1, 16)[inverse]
         parent_ids = np.frombuffer(b"".join(parent_of), np.uint8).reshape(-1, 8)[inverse]
-        prefixes = np.array(prefix_of, dtype=object)[inverse].tolist()
-        blake2b = _blake2b
-        span_ids = bytearray(
-            b"".join(
-                [
-                    blake2b(f"{prefix}{s}\x1f{r}".encode(), digest_size=8).digest()
-                    for prefix, s, r in zip(prefixes, seq.tolist(), row.tolist(), strict=True)
-                ]
-            )
-        )
-        for zero in np.flatnonzero(np.frombuffer(span_ids, np.uint64) == 0).tolist():
-            span_ids[8 * zero] = 1  # an all-zero id is invalid in OTLP (as step_span_id)
-        return trace_ids.tobytes(), bytes(span_ids), parent_ids.tobytes()
+        span_ids = wire.step_span_ids(prefixes, inverse, seq, row)
+        return trace_ids.tobytes(), span_ids, parent_ids.tobytes()
 
 
 def string_codes(*columns) -> tuple[np.ndarray, list[str]]:

@@ -123,14 +123,15 @@ WITH ev AS (
     UNION ALL {_EVENT_SELECT.format(kind="gpu", table="gpu_ops", extra=_GPU)}
 )
 SELECT ev.* FROM ev SEMI JOIN _otlp_event_passes p USING (pid, step_seq)
-ORDER BY pid, step_seq, ts_ns, probe
 """
-# The first `max` per pass and each pass's total are then found in numpy on the sorted rows
-# (_first_per_pass): two window functions (a count and a row_number, each its own partitioned sort) cost
-# about a fifth more CPU for a batch's few thousand events than the one ORDER BY they share with it.
-# The events keep their trace id as its two stored words: the hex form (trace_hex) of each of a batch's
-# ~10k events took a third of the query (10.0 -> 6.5 ms on this project's VM), for a match the encoder
-# makes against the batch's few distinct step traces (encoder.trace_words).
+# The rows are then sorted by (pid, step_seq, ts_ns, probe) in Arrow (_EVENT_ORDER), and the first `max`
+# per pass and each pass's total found in numpy on them (_first_per_pass). Measured on this project's
+# VM for a batch's ~10k events: DuckDB's ORDER BY cost 2.2 ms of the query's 6.2, Arrow's sort 0.9; two
+# window functions (a count and a row_number, each its own partitioned sort) about a fifth more than
+# the one sort. The events keep their trace id as its two stored words: the hex form (trace_hex) of
+# each took a third of the query (10.0 -> 6.5 ms), for a match the encoder makes against the batch's few
+# distinct step traces (encoder._Owners).
+_EVENT_ORDER = [(name, "ascending") for name in ("pid", "step_seq", "ts_ns", "probe")]
 
 # In key order: the batch's rollups table keeps this order and metrics.py gives each llmobs.step.* bucket
 # the exemplar of its last pass in it, so without the ORDER BY the exemplar would follow storage order.
@@ -164,21 +165,21 @@ UPDATE otlp_cursor SET t_start_ns = ?, step_seq = ?, batch_row = ?, exported_ste
     updated_ns = ?, ingest_seq = greatest(coalesce(ingest_seq, 0), ?)
 WHERE pid = ?
 """
-# The batch's steps folded into their requests, and the request spans sent marked: a sent request the
-# batch has no step of comes as a row of zero counts and its stored times (least/greatest leave them as
-# they are) with `exported` true. The rows already there are updated, then the new ones inserted: two
-# statements, not one INSERT .. ON CONFLICT DO UPDATE, which DuckDB runs at a fixed ~5 ms however few
-# its rows (measured on this project's VM: 4.9 ms for 40 rows, the plain insert ~1.3).
-_FOLD_REQUESTS = (
-    """UPDATE otlp_requests r SET t_start_ns = least(r.t_start_ns, f.t_start_ns),
-    t_end_ns = greatest(r.t_end_ns, f.t_end_ns), tokens = r.tokens + f.tokens,
-    loss_sum = r.loss_sum + f.loss_sum, loss_count = r.loss_count + f.loss_count,
-    exported = r.exported OR f.exported
-FROM _otlp_fold f WHERE r.pid = f.pid AND r.trace_id = f.trace_id""",
-    """INSERT INTO otlp_requests
+# One upsert folds the batch's steps into their requests and marks the request spans sent: a sent
+# request the batch has no step of comes as a row of zero counts and its stored times (least/greatest
+# leave them as they are) with `exported` true. One statement instead of an upsert and an UPDATE ... FROM.
+# Not an UPDATE ... FROM and an anti-joined INSERT either: cheaper while otlp_requests is small (4.7 vs
+# 5.1 ms a batch on this project's VM), but both join the whole table, where the upsert finds its keys
+# by the primary key's index: with 200,000 requests kept, 11.1 ms against 5.2-5.7.
+_FOLD_REQUESTS = """
+INSERT INTO otlp_requests
 SELECT pid, trace_id, tenant, session, model_id, t_start_ns, t_end_ns, tokens, loss_sum, loss_count, exported
-FROM _otlp_fold f ANTI JOIN otlp_requests r USING (pid, trace_id)""",
-)
+FROM _otlp_fold
+ON CONFLICT (pid, trace_id) DO UPDATE SET
+    t_start_ns = least(t_start_ns, excluded.t_start_ns), t_end_ns = greatest(t_end_ns, excluded.t_end_ns),
+    tokens = tokens + excluded.tokens, loss_sum = loss_sum + excluded.loss_sum,
+    loss_count = loss_count + excluded.loss_count, exported = exported OR excluded.exported
+"""
 
 # Loss anomalies of the batch's passes (llmobs.diagnostics): span events named llmobs.anomaly. Detected
 # within ~0.1 s of the step and committed at once, they are in the store before the step's own row;
@@ -443,33 +444,27 @@ class ExportCursor:
             # A pass's events go out once, with the batch holding its first row (batch_row 0), as its
             # per-pass metrics do: batches follow ingest order, in which a pass's rows may straddle two.
             first = table.column("batch_row").to_numpy() == 0
-            event_passes = _distinct_passes(pid[first], seq[first])
-            conn.register("_otlp_passes", passes)
-            conn.register("_otlp_event_passes", event_passes)
-            try:
-                lo = pc.min(table.column("t_start_ns")).as_py() - EVENT_SLACK_NS
-                hi = pc.max(table.column("t_end_ns")).as_py() + EVENT_SLACK_NS
-                params = {"lo": lo, "hi": hi}
-                events = _first_per_pass(_arrow(conn, _BATCH_EVENTS, params), max_events_per_span)
-                # Arrow, not dicts: ~500 rows x 15 columns a batch, read column by column by the encoder
-                rollups = _arrow(conn, _BATCH_ROLLUPS, params)
-                # One cheap look for which of the rarer sources have rows here (usually none: no CUPTI,
-                # no anomaly) instead of a query each, with the look for the rare sources.
-                has_gpu_time, has_anomalies, has_samples = self._look_for_rare(
-                    _BATCH_HAS_GPU_SAMPLES if self._has_gpu_samples else _BATCH_HAS, params
-                )
-                if has_gpu_time:
-                    gpu_time = _dicts(conn, _BATCH_GPU_TIME, params)
-                if has_anomalies:
-                    anomalies = _dicts(conn, _BATCH_ANOMALIES, {"lo": lo})
-                if "replays" in self._rare_seen:
-                    replays = _dicts(conn, _BATCH_REPLAYS, None)
-                if has_samples:
-                    step_pids = sorted(advance)
-                    gpu_samples = _dicts(conn, _BATCH_GPU_SAMPLES, {**params, "pids": step_pids})
-            finally:
-                conn.unregister("_otlp_passes")
-                conn.unregister("_otlp_event_passes")
+            by_pass = {"_otlp_passes": passes, "_otlp_event_passes": _distinct_passes(pid[first], seq[first])}
+            lo = pc.min(table.column("t_start_ns")).as_py() - EVENT_SLACK_NS
+            hi = pc.max(table.column("t_end_ns")).as_py() + EVENT_SLACK_NS
+            params = {"lo": lo, "hi": hi}
+            events = _first_per_pass(_arrow(conn, _BATCH_EVENTS, params, by_pass), max_events_per_span)
+            # Arrow, not dicts: ~500 rows x 15 columns a batch, read column by column by the encoder
+            rollups = _arrow(conn, _BATCH_ROLLUPS, params, by_pass)
+            # One cheap look for which of the rarer sources have rows here (usually none: no CUPTI,
+            # no anomaly) instead of a query each, with the look for the rare sources.
+            has_gpu_time, has_anomalies, has_samples = self._look_for_rare(
+                _BATCH_HAS_GPU_SAMPLES if self._has_gpu_samples else _BATCH_HAS, params
+            )
+            if has_gpu_time:
+                gpu_time = _dicts(conn, _BATCH_GPU_TIME, params, by_pass)
+            if has_anomalies:
+                anomalies = _dicts(conn, _BATCH_ANOMALIES, {"lo": lo}, by_pass)
+            if "replays" in self._rare_seen:
+                replays = _dicts(conn, _BATCH_REPLAYS, None, by_pass)
+            if has_samples:
+                step_pids = sorted(advance)
+                gpu_samples = _dicts(conn, _BATCH_GPU_SAMPLES, {**params, "pids": step_pids})
         else:
             self._look_for_rare()
         # A final flush closes every request only once no step is left behind this batch.
@@ -624,12 +619,8 @@ class ExportCursor:
                 self._cursor_pids.add(pid)
             rows = _request_rows(batch.folded, batch.requests)
             if rows:
-                conn.register("_otlp_fold", pa.Table.from_pylist(rows))
-                try:
-                    for statement in _FOLD_REQUESTS:
-                        conn.execute(statement)
-                finally:
-                    conn.unregister("_otlp_fold")
+                _otlp_fold = pa.Table.from_pylist(rows)  # noqa: F841 (read by name: _execute says how)
+                conn.execute(_FOLD_REQUESTS)
             self.served.mark_sent(batch.served, now)
             self.served.mark_unfinished(batch.unfinished, now)
             conn.execute("COMMIT")
@@ -686,11 +677,12 @@ def _distinct_passes(pid: np.ndarray, seq: np.ndarray) -> pa.Table:
 
 
 def _first_per_pass(events: pa.Table, limit: int) -> pa.Table:
-    """Of events sorted by (pid, step_seq, ts_ns, probe): the first `limit` of each pass (pid, step_seq),
-    with `pass_total`, how many the pass has in all (the span says how many it left out)."""
+    """The events sorted by (pid, step_seq, ts_ns, probe), the first `limit` of each pass (pid, step_seq)
+    kept, with `pass_total`, how many the pass has in all (the span says how many it left out)."""
     rows = events.num_rows
     if not rows:
         return events.append_column("pass_total", pa.array([], pa.int64()))
+    events = events.take(pc.sort_indices(events, _EVENT_ORDER))
     pid = events.column("pid").to_numpy()
     seq = events.column("step_seq").to_numpy()
     first = np.ones(rows, dtype=bool)
@@ -726,24 +718,35 @@ def _attach_incidents(conn: duckdb.DuckDBPyConnection, requests: list[dict], sto
     if not requests or not stored:
         return
     keys = pa.table({"pid": [r["pid"] for r in requests], "trace_id": [r["trace_id"] for r in requests]})
-    conn.register("_otlp_request_keys", keys)
     try:
-        found = _dicts(conn, _REQUEST_INCIDENTS, None)
+        found = _dicts(conn, _REQUEST_INCIDENTS, None, {"_otlp_request_keys": keys})
     except duckdb.Error:  # a store from before incidents (migration 11)
         return
-    finally:
-        conn.unregister("_otlp_request_keys")
     by_key = {(r["pid"], r["trace_id"]): r for r in requests}
     for row in found:
         by_key[(row["pid"], row["trace_id"])]["incidents"].append(row)
 
 
-def _arrow(conn: duckdb.DuckDBPyConnection, sql: str, params: dict) -> pa.Table:
+def _execute(conn: duckdb.DuckDBPyConnection, sql: str, params, tables: dict[str, pa.Table] | None = None):
+    """conn.execute(sql, params), with the batch's Arrow `tables` readable by their names (_otlp_passes,
+    _otlp_event_passes, _otlp_request_keys). DuckDB's replacement scan finds a name its catalog lacks
+    among the locals of the frame that calls execute, so each is bound to a local of that name here.
+    Registering them as views instead (register + unregister) cost ~0.45 ms a table a batch on this
+    project's VM, for a read or two. So `conn` must hand execute over as DuckDB's own method (a
+    connection, or StoreCursor, whose __getattr__ does): a Python wrapper's frame would hide them."""
+    tables = tables or {}
+    _otlp_passes = tables.get("_otlp_passes")  # noqa: F841 (read by the replacement scan)
+    _otlp_event_passes = tables.get("_otlp_event_passes")  # noqa: F841
+    _otlp_request_keys = tables.get("_otlp_request_keys")  # noqa: F841
+    return conn.execute(sql, params) if params else conn.execute(sql)
+
+
+def _arrow(conn: duckdb.DuckDBPyConnection, sql: str, params: dict, tables=None) -> pa.Table:
     """A result as an Arrow table from DB-API's execute. DuckDB advises the relation API (conn.sql)
     instead, as it saves a copy of the rows; but it binds the statement once more first to learn its
     schema, and for a batch's few thousand rows that costs more than the copy: the events query 11.3
     -> 8.3 ms, the steps' 3.9 -> 3.2 ms on this project's VM. Its warning is silenced for this module."""
-    return conn.execute(sql, params).to_arrow_table()
+    return _execute(conn, sql, params, tables).to_arrow_table()
 
 
 warnings.filterwarnings(
@@ -751,10 +754,10 @@ warnings.filterwarnings(
 )
 
 
-def _dicts(conn: duckdb.DuckDBPyConnection, sql: str, params) -> list[dict]:
+def _dicts(conn: duckdb.DuckDBPyConnection, sql: str, params, tables=None) -> list[dict]:
     """A small result as one dict per row. execute + fetchall: for a few hundred rows a third of the CPU
     of a relation turned into Arrow (measured: ~0.7 vs ~2.3 ms a statement on this project's VM)."""
-    rows = conn.execute(sql, params).fetchall() if params else conn.execute(sql).fetchall()
+    rows = _execute(conn, sql, params, tables).fetchall()
     names = [d[0] for d in conn.description]
     return [dict(zip(names, row, strict=True)) for row in rows]
 

@@ -13,6 +13,8 @@ generated classes write them, so the bytes equal theirs.
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pyarrow as pa
 
@@ -20,6 +22,10 @@ try:  # the C gather (c/wire_gather.c), built at install; without a compiler, nu
     from llmobs.otlp._wire_gather import gather as _c_gather
 except ImportError:
     _c_gather = None
+try:  # its span-id hash, apart: a module built before it was added still gathers in C
+    from llmobs.otlp._wire_gather import step_span_ids as _c_step_span_ids
+except ImportError:
+    _c_step_span_ids = None
 
 _U64 = np.uint64
 
@@ -27,6 +33,36 @@ _U64 = np.uint64
 def gather_backend() -> str:
     """Which gather Pieces.gather uses: 'c' or 'numpy' (llmobs-agent doctor shows it)."""
     return "c" if _c_gather is not None else "numpy"
+
+
+def span_ids_backend() -> str:
+    """Which hash step_span_ids uses: 'c' or 'hashlib' (llmobs-agent doctor shows it)."""
+    return "c" if _c_step_span_ids is not None else "hashlib"
+
+
+def step_span_ids(prefixes: list[bytes], prefix_of: np.ndarray, seq: np.ndarray, row: np.ndarray) -> bytes:
+    """8 bytes a row, back to back: BLAKE2b-64 of row i's prefix (prefixes[prefix_of[i]]) followed by
+    "<seq[i]>\x1f<row[i]>", an all-zero digest made 01 00.. (an all-zero id is invalid in OTLP). In C
+    where the module has it (c/wire_gather.c), else hashlib: the same bytes."""
+    seq = np.ascontiguousarray(seq, dtype=np.int64)
+    row = np.ascontiguousarray(row, dtype=np.int64)
+    if _c_step_span_ids is not None:
+        lengths = np.array([len(p) for p in prefixes], dtype=np.int64)
+        starts = np.zeros(len(prefixes), dtype=np.int64)
+        np.cumsum(lengths[:-1], out=starts[1:])
+        return _c_step_span_ids(b"".join(prefixes), starts[prefix_of], lengths[prefix_of], seq, row)
+    blake2b = hashlib.blake2b
+    ids = bytearray(
+        b"".join(
+            [
+                blake2b(prefixes[p] + f"{s}\x1f{r}".encode(), digest_size=8).digest()
+                for p, s, r in zip(prefix_of.tolist(), seq.tolist(), row.tolist(), strict=True)
+            ]
+        )
+    )
+    for zero in np.flatnonzero(np.frombuffer(ids, np.uint64) == 0).tolist():
+        ids[8 * zero] = 1
+    return bytes(ids)
 
 
 def varint_bytes(value: int) -> bytes:
