@@ -1,9 +1,10 @@
-"""The exact per-(pid, step, probe) totals kept by the kernel in a per-CPU hash, read in batches.
+"""The exact per-(pid, step, probe) totals kept by the kernel in a hash, read in batches.
 
-The kernel counts every event (sampled or not) in llmobs_aggs, one slot per CPU. The agent reads the
-map with BPF_MAP_LOOKUP_BATCH into numpy buffers, sums the CPUs, and from time to time moves the
-totals of finished steps (older than the newest step of that pid by a margin, so no thread still
-tags with them) into user space and deletes them, keeping the bounded map from filling.
+The kernel counts every event (sampled or not) in llmobs_aggs (a plain hash, added to atomically; see
+bpf/c/llmobs_events.h for why not per CPU). The agent reads the map with BPF_MAP_LOOKUP_BATCH into
+numpy buffers (summing the CPUs where a map is per-CPU), and from time to time moves the totals of
+finished steps (older than the newest step of that pid by a margin, so no thread still tags with them)
+into user space and deletes them, keeping the bounded map from filling.
 """
 
 from __future__ import annotations
@@ -17,13 +18,9 @@ from llmobs.bpf.records import AGG_KEY_DTYPE, AGG_VAL_DTYPE
 FINISHED_STEP_MARGIN = 2
 
 
-def possible_cpus() -> int:
-    return syscall.possible_cpus()
-
-
-def read_percpu_hash(lib, map_fd: int, capacity: int, ncpus: int) -> tuple[np.ndarray, np.ndarray]:
-    """(keys, values summed over CPUs) of a per-CPU hash with AGG_KEY/AGG_VAL records, read with
-    BPF_MAP_LOOKUP_BATCH straight into numpy buffers. `lib` is unused (it was bcc's libbcc)."""
+def read_totals(map_fd: int, capacity: int, ncpus: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(keys, values) of a hash with AGG_KEY/AGG_VAL records, read with BPF_MAP_LOOKUP_BATCH straight
+    into numpy buffers; `ncpus` > 1 for a per-CPU hash, whose values are summed over the CPUs."""
     keys = np.zeros(capacity, dtype=AGG_KEY_DTYPE)
     values = np.zeros((capacity, ncpus), dtype=AGG_VAL_DTYPE)
     batch = np.zeros(1, dtype=np.uint64)  # the kernel's opaque position token (a u32 bucket for hashes)
@@ -42,6 +39,8 @@ def read_percpu_hash(lib, map_fd: int, capacity: int, ncpus: int) -> tuple[np.nd
         if end:
             break
         first = False
+    if ncpus == 1:
+        return keys[:total].copy(), values[:total, 0].copy()
     summed = np.zeros(total, dtype=AGG_VAL_DTYPE)
     for field in AGG_VAL_DTYPE.names:
         summed[field] = values[:total][field].sum(axis=1)

@@ -326,9 +326,8 @@ def _forget_own_totals(program) -> None:
     """Deletes the calibration's exact totals (this process's keys) from the program's aggregates."""
     from llmobs.bpf import aggregates
 
-    keys, _values = aggregates.read_percpu_hash(
-        None, program.map_fd("llmobs_aggs"), program.agg_entries, aggregates.possible_cpus()
-    )
+    aggs = program.maps["llmobs_aggs"]
+    keys, _values = aggregates.read_totals(aggs.fd, program.agg_entries, aggs.ncpus)
     mine = keys["pid"] == os.getpid()
     if mine.any():
         aggregates.delete_keys(None, program.map_fd("llmobs_aggs"), keys[mine])

@@ -254,7 +254,7 @@ class AttachSession:
         self.cell_address = find_context_cell(self.pid, entries, ctx_offset())
         self.threads_address = find_thread_registry(self.pid, entries) if self.cell_address else 0
         program.set_target(self.pid, self.cell_address, self.threads_address)
-        self._ncpus = aggregates.possible_cpus()
+        self._ncpus = program.maps["llmobs_aggs"].ncpus  # 1: a plain hash (bpf/c/llmobs_events.h)
         try:
             by_name = {r.probe.name: r for r in self.resolved}
             for probe in loadable:
@@ -373,8 +373,8 @@ class AttachSession:
         return self._live[1], self._live[2]
 
     def _read_aggregates(self) -> tuple[np.ndarray, np.ndarray]:
-        keys, values = aggregates.read_percpu_hash(
-            None, self.program.map_fd("llmobs_aggs"), self.program.agg_entries, self._ncpus
+        keys, values = aggregates.read_totals(
+            self.program.map_fd("llmobs_aggs"), self.program.agg_entries, self._ncpus
         )
         if self.options.shared:  # the map holds every target's totals: take only this pid's
             mine = keys["pid"] == self.pid

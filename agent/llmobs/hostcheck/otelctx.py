@@ -128,4 +128,3 @@ def check_otlp_encoder(ctx: Context) -> Finding:
             "reinstall llmobs-agent (in a checkout: scripts/setup.sh) to rebuild it",
         )
     return Finding(Status.OK, "C gather and span-id hash (llmobs.otlp._wire_gather)")
-

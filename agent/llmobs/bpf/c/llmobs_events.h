@@ -117,12 +117,15 @@ static __always_inline u32 llmobs_slot(u32 tid, u32 probe)
 BPF_ARRAY(llmobs_targets, struct llmobs_target, LLMOBS_TARGET_SLOTS);
 /* The sampling knobs: one entry, struct llmobs_config. */
 BPF_ARRAY(llmobs_config, struct llmobs_config, 1);
-/* Allocated per key, not preallocated: a preallocated per-CPU hash makes one per-CPU allocation per
- * entry when it is created (65 k of them: 55 ms quiet, 0.1-0.35 s on a loaded host, on the path to the
- * first event); a key is new once per (pid, probe, step), so the allocation is off the per-hit path. */
-/* Exact count / value sum / duration sum of ALL events per (pid, probe, step), per CPU. */
-BPF_F_TABLE("percpu_hash", struct llmobs_agg_key, struct llmobs_agg_val, llmobs_aggs, LLMOBS_AGG_ENTRIES,
-            BPF_F_NO_PREALLOC);
+/* Exact count / value sum / duration sum of ALL events per (pid, probe, step), added atomically.
+ * A plain hash, preallocated: a key is new once per (pid, probe, step), which for a probe hit once a
+ * step (the tiny model's one linear layer; the first launch of each decode step) is every hit. Measured
+ * in a real workload (bench/governor's tiny target, bpf_stats): a new key cost 56-58 us in the per-CPU
+ * hash allocated per key it was before (the per-CPU allocator; +9.4% CPU per token from the one linear
+ * probe), ~2.3 us preallocated. Not a preallocated per-CPU hash: its kernel memory is entries x CPUs
+ * (200 MB on a 128-CPU host) and its creation one per-CPU allocation per entry (+53 ms on 2 CPUs, on
+ * the path to the first event). The adds are atomic: threads of one step on several CPUs share a key. */
+BPF_F_TABLE("hash", struct llmobs_agg_key, struct llmobs_agg_val, llmobs_aggs, LLMOBS_AGG_ENTRIES, 0);
 /* Loss and health counters, per CPU; indices LLMOBS_CTR_*. */
 BPF_PERCPU_ARRAY(llmobs_counters, u64, LLMOBS_NUM_COUNTERS);
 /* The per-CPU counter hashed by --sample-mode cpu. */
@@ -300,13 +303,15 @@ static __always_inline void llmobs_record_as(u32 pid, u32 tid, u16 probe, u8 kin
 
     if (!agg) {
         struct llmobs_agg_val zero = {};
-        llmobs_aggs.update(&key, &zero);
+        llmobs_aggs.insert(&key, &zero); /* BPF_NOEXIST: another CPU's new entry is never zeroed */
         agg = llmobs_aggs.lookup(&key);
     }
     if (agg) {
-        agg->count += 1;
-        agg->sum_value += sum_value;
-        agg->sum_duration_ns += duration_ns;
+        __sync_fetch_and_add(&agg->count, 1);
+        if (sum_value)
+            __sync_fetch_and_add(&agg->sum_value, sum_value);
+        if (duration_ns)
+            __sync_fetch_and_add(&agg->sum_duration_ns, duration_ns);
     } else {
         llmobs_count(LLMOBS_CTR_AGG_OVERFLOW);
     }
