@@ -6,6 +6,7 @@ interval; with --until, rounds are added two at a time until every interval is a
             --db X --overhead-budget 0`: idle (the target waiting) and at --rate events/s, plus its CPU
   attach    seconds from `attach --pid P --db X` starting to its first event (tiny workload generating)
   otlp      agent CPU ms per 1,000 spans exported over gRPC to a real rotel collector, and spans/s
+            (the store read as a running agent opens it: one DuckDB thread, its memory cap)
   ingest    synthetic ring records decoded and stored in DuckDB: events/s and events per CPU-second
   slowdown  SmolLM2 tokens/s with no agent, with the previous release's `attach` and with this one's
             (default profile, the default store), at 1 and 2 torch threads: ratios to no agent
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("footprint", args)
     report.note(f"before: {baseline} ({tree_commit(baseline)})  after: {args.candidate}")
     opts = {"rss": {"rate": args.rate, "seconds": args.seconds, "idle_s": args.idle_s},
-            "attach": {"duration": 3.0}, "otlp": {"steps": args.steps},
+            "attach": {"duration": 3.0}, "otlp": {"steps": args.steps, "store": "agent"},
             "ingest": {"events": args.events, "drain_events": 20_000}}  # fmt: skip
     rounds = {"rounds": args.rounds, "until": args.until, "max_rounds": args.max_rounds}
     imported: dict[str, str] = {}

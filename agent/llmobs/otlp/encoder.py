@@ -29,6 +29,7 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from llmobs.otlp import wire
+from llmobs.otlp.columns import key_ids, sorted_keys, string_codes
 from llmobs.otlp.served import request_span, served_span_id
 from llmobs.otlp.source import StepBatch
 from llmobs.shm.hashing import stored_trace_words
@@ -184,7 +185,7 @@ class SpanIds:
             request = np.zeros(n, np.int64)
         codes, traces = string_codes(trace)
         pid, request = pid.astype(np.int64), request.astype(np.int64)
-        inverse, one = _sorted_keys((pid, codes, request))
+        inverse, one = sorted_keys((pid, codes, request))
         trace_of, parent_of, prefixes = [], [], []
         for p, code, req in zip(pid[one].tolist(), codes[one].tolist(), request[one].tolist(), strict=True):
             text = traces[code]
@@ -195,40 +196,6 @@ class SpanIds:
         parent_ids = np.frombuffer(b"".join(parent_of), np.uint8).reshape(-1, 8)[inverse]
         span_ids = wire.step_span_ids(prefixes, inverse, seq, row)
         return trace_ids.tobytes(), span_ids, parent_ids.tobytes()
-
-
-def string_codes(*columns) -> tuple[np.ndarray, list[str]]:
-    """Integer codes of the strings of one or more Arrow string columns (NULL as ""), one code space
-    for all of them, back to back; and the string of each code."""
-    chunks = []
-    for column in columns:
-        chunks.extend(column.chunks if isinstance(column, pa.ChunkedArray) else [column])
-    encoded = pa.chunked_array(chunks, pa.string()).fill_null("").combine_chunks().dictionary_encode()
-    return np.asarray(encoded.indices).astype(np.int64), encoded.dictionary.to_pylist()
-
-
-def key_ids(*columns: np.ndarray) -> np.ndarray:
-    """One id per distinct combination of the integer columns' values (row by row), numbered in the
-    combinations' sorted order. A lexsort of int64 columns: np.unique(axis=0) sorts a void view and
-    costs several times more."""
-    return _sorted_keys(columns)[0]
-
-
-def _sorted_keys(columns) -> tuple[np.ndarray, np.ndarray]:
-    """(each row's key id, the index of one row of each key id, in key order)."""
-    keys = [np.asarray(c).astype(np.int64, copy=False) for c in columns]
-    n = len(keys[0])
-    if n == 0:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    order = np.lexsort(keys[::-1])  # the last key sorts first: columns[0] is the primary key
-    change = np.zeros(n, bool)
-    change[0] = True
-    for key in keys:
-        ordered = key[order]
-        change[1:] |= ordered[1:] != ordered[:-1]
-    ids = np.empty(n, np.int64)
-    ids[order] = np.cumsum(change) - 1
-    return ids, order[change]
 
 
 def _first_of(keys: np.ndarray, count: int, last: bool = False) -> np.ndarray:

@@ -23,14 +23,13 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 
 from llmobs.otlp import genai_metrics
+from llmobs.otlp.columns import key_ids, string_codes
 from llmobs.otlp.encoder import (
     DEFAULT_OPERATION,
     SCOPE_NAME,
     SCOPE_VERSION,
     SpanIds,
-    key_ids,
     key_values,
-    string_codes,
 )
 from llmobs.otlp.served import served_span_id
 from llmobs.otlp.source import StepBatch
