@@ -3,6 +3,9 @@ cap raised, and the cap is back afterwards (real DuckDB, a real file)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import duckdb
 import pytest
 from llmobs.stagecpu import STAGES
@@ -44,4 +47,34 @@ def test_without_a_cap_of_ours_the_error_stands(tmp_path):
             store.with_headroom(lambda: conn.execute(BIG).fetchall())
         assert store.headroom_retries == 0
     finally:
+        store.close()
+
+
+def test_a_retry_while_the_writer_uses_the_connection_fails_neither(tmp_path):
+    """The cap is raised and put back through a cursor of its own: the store's connection may be in the
+    middle of an append (another thread, under the store's lock), and DuckDB refuses a second call on a
+    busy connection instead of waiting. Before, one of the two failed: the retry, or the append and its
+    rows. Here a long query holds the store's connection while a retry runs."""
+    store = DuckDBStore(tmp_path / "s.duckdb", memory_limit="16MB", threads=1)
+    outcome: dict[str, object] = {}
+
+    def hold_the_connection() -> None:
+        try:
+            outcome["long"] = store.query("SELECT sum(range * range) FROM range(400000000)").num_rows
+        except Exception as exc:  # what failed is the test's answer
+            outcome["long"] = exc
+
+    holder = threading.Thread(target=hold_the_connection)
+    try:
+        conn = store.connection.cursor()
+        holder.start()
+        while not store._lock.locked() and holder.is_alive():  # the query holds the lock while it runs
+            time.sleep(0.001)
+        assert holder.is_alive(), outcome
+        assert store.with_headroom(lambda: conn.execute(BIG).fetchall()) == [(46_888_889,)]
+        holder.join()
+        assert outcome["long"] == 1
+        assert _limit(conn) == _limit(store.connection.cursor())
+    finally:
+        holder.join()
         store.close()
