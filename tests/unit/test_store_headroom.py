@@ -9,6 +9,7 @@ import time
 import duckdb
 import pytest
 from llmobs.stagecpu import STAGES
+from llmobs.store import synthetic
 from llmobs.store.sink import DuckDBStore
 
 # ~47 MB of text in one aggregate state: more than a 16MB cap holds, far less than the headroom
@@ -77,4 +78,22 @@ def test_a_retry_while_the_writer_uses_the_connection_fails_neither(tmp_path):
         assert _limit(conn) == _limit(store.connection.cursor())
     finally:
         holder.join()
+        store.close()
+
+
+def test_an_append_over_the_cap_is_committed_with_headroom_not_lost(tmp_path):
+    """An append whose transaction runs out of the store's memory cap (here its inserts, under an 8 MB
+    cap; in an agent at 20k steps/s it was the commit, while correlate held memory) is run once more with
+    the cap raised: every row is stored. Before, the append failed and its rows were counted lost."""
+    store = DuckDBStore(tmp_path / "s.duckdb", memory_limit="8MB", threads=1)
+    try:
+        steps = synthetic.token_steps(1, 2000, 100, batch_rows=4)
+        events = synthetic.events_for_steps(steps)
+        written = store.append({"token_steps": steps, "events": events})
+        assert written["token_steps"] == steps.num_rows == 200_000
+        assert store.headroom_retries == 1
+        assert store.count("token_steps") == steps.num_rows
+        assert store.count("mem_events") + store.count("host_events") == events.num_rows
+        assert _limit(store.connection.cursor()) == _limit(store.connection)  # the cap is back
+    finally:
         store.close()
