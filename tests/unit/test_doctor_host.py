@@ -206,15 +206,15 @@ def test_cuda_driver_not_tried_without_libcuda(fake: Context) -> None:
 
 
 def test_otlp_encoder_row_says_which_parts_are_built(fake: Context, monkeypatch) -> None:
-    from llmobs.hostcheck import otelctx
+    from llmobs.commands import doctor
     from llmobs.otlp import wire
 
     if wire.gather_backend() != "c" or wire.span_ids_backend() != "c":
         pytest.skip("the C encoder is not built here (no compiler at install)")
-    assert otelctx.check_otlp_encoder(fake).status == Status.OK
+    assert doctor.check_otlp_encoder(fake).status == Status.OK
     monkeypatch.setattr(wire, "_c_step_span_ids", None)
-    old_module = otelctx.check_otlp_encoder(fake)
+    old_module = doctor.check_otlp_encoder(fake)
     assert old_module.status == Status.DEGRADED and "hashlib" in old_module.detail and old_module.hint
     monkeypatch.setattr(wire, "_c_gather", None)
-    none = otelctx.check_otlp_encoder(fake)
+    none = doctor.check_otlp_encoder(fake)
     assert none.status == Status.DEGRADED and "numpy" in none.detail and "gcc" in none.hint

@@ -94,7 +94,7 @@ def test_cpu_profile_verdict() -> None:
     [(rows_with(), ExitCode.OK), (rows_with(uprobe=Status.MISSING), ExitCode.HOST_UNSUPPORTED)],
 )
 def test_exit_code_and_json(monkeypatch, capsys, rows: list[Row], code: int) -> None:
-    monkeypatch.setattr(doctor, "run_checks", lambda: rows)
+    monkeypatch.setattr(doctor, "run_checks", lambda **_: rows)
     assert doctor.run(argparse.Namespace(json=True)) == code
     printed = json.loads(capsys.readouterr().out)
     assert [r["check"] for r in printed] == [r.check for r in rows]

@@ -1,7 +1,9 @@
 """`llmobs-agent doctor [--json]`: a table of what this host can do, one row per capability.
 
-The checks live in llmobs.hostcheck; this module only renders them. Exit status: 0 when the agent
-can run at least its CPU probe profile here, ExitCode.HOST_UNSUPPORTED otherwise.
+The checks live in llmobs.hostcheck; this module renders them, and adds the one row whose check needs
+llmobs.otlp (whether the OTLP encoder's C parts are built), a layer hostcheck may not import. Exit
+status: 0 when the agent can run at least its CPU probe profile here, ExitCode.HOST_UNSUPPORTED
+otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +15,34 @@ import platform
 import sys
 
 from llmobs.errors import ExitCode
-from llmobs.hostcheck import GPU_CHECKS, Row, Status, cpu_profile_ok, run_checks
+from llmobs.hostcheck import GPU_CHECKS, Check, Row, Status, cpu_profile_ok, default_checks, run_checks
+from llmobs.hostcheck.model import Context, Finding
+
+
+def check_otlp_encoder(ctx: Context) -> Finding:
+    """Whether the OTLP encoder's C parts (otlp/c/wire_gather.c: the gather and the span-id hash) are
+    built: without them the export sends the same bytes at more CPU per span."""
+    from llmobs.otlp import wire  # numpy and pyarrow: only when doctor runs, not whenever the CLI starts
+
+    if wire.gather_backend() != "c":
+        return Finding(
+            Status.DEGRADED,
+            "OTLP export gathers with numpy and hashes span ids with hashlib (llmobs.otlp._wire_gather not "
+            "built): the same spans at more CPU each",
+            "install gcc, libc6-dev and python3-dev, then reinstall llmobs-agent (in a checkout: "
+            "scripts/setup.sh)",
+        )
+    if wire.span_ids_backend() != "c":
+        return Finding(
+            Status.DEGRADED,
+            "OTLP export gathers in C but hashes span ids with hashlib (llmobs.otlp._wire_gather built "
+            "before step_span_ids)",
+            "reinstall llmobs-agent (in a checkout: scripts/setup.sh) to rebuild it",
+        )
+    return Finding(Status.OK, "C gather and span-id hash (llmobs.otlp._wire_gather)")
+
+
+OTLP_ENCODER = Check("otlp_encoder", "OTLP encoder", check_otlp_encoder, 5.0, False)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +89,7 @@ def verdict(rows: list[Row]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = run_checks()
+    rows = run_checks(checks=[*default_checks(), OTLP_ENCODER])
     if getattr(args, "pid", None) is not None:
         from llmobs.hostcheck.otelctx import process_row
 

@@ -2,8 +2,7 @@
 which of memfd_create and prctl(PR_SET_VMA_ANON_NAME) work, so which name the OTEL_CTX mapping gets
 in /proc/PID/maps; OTEP 4947 (thread context): whether the library exporting otel_thread_ctx_v1 is
 built. Tried on scratch mappings of this process, named "llmobs-doctor" (never OTEL_CTX: a reader
-must not mistake the doctor for a publisher). And whether the OTLP encoder's C parts are built (the
-same spans without them, at more CPU each)."""
+must not mistake the doctor for a publisher)."""
 
 from __future__ import annotations
 
@@ -105,26 +104,3 @@ def process_row(pid: int) -> Row:
     schema = context.attributes.get("threadlocal.schema_version")
     thread = f"; thread context {schema}" if schema else "; no thread context"
     return row(Status.OK, f"OTEP 4719 v{context.version}; {who}{thread}")
-
-
-def check_otlp_encoder(ctx: Context) -> Finding:
-    """Whether the OTLP encoder's C parts (otlp/c/wire_gather.c: the gather and the span-id hash) are
-    built: without them the export sends the same bytes at more CPU per span."""
-    from llmobs.otlp import wire
-
-    if wire.gather_backend() != "c":
-        return Finding(
-            Status.DEGRADED,
-            "OTLP export gathers with numpy and hashes span ids with hashlib (llmobs.otlp._wire_gather not "
-            "built): the same spans at more CPU each",
-            "install gcc, libc6-dev and python3-dev, then reinstall llmobs-agent (in a checkout: "
-            "scripts/setup.sh)",
-        )
-    if wire.span_ids_backend() != "c":
-        return Finding(
-            Status.DEGRADED,
-            "OTLP export gathers in C but hashes span ids with hashlib (llmobs.otlp._wire_gather built "
-            "before step_span_ids)",
-            "reinstall llmobs-agent (in a checkout: scripts/setup.sh) to rebuild it",
-        )
-    return Finding(Status.OK, "C gather and span-id hash (llmobs.otlp._wire_gather)")

@@ -37,7 +37,6 @@ def default_checks() -> list[Check]:
         ("nvml", "NVML", gpu.check_nvml, 10.0),
         ("cupti", "cupti-python", gpu.check_cupti, 10.0),
         ("otel_context", "OpenTelemetry contexts", otelctx.check_otel_context, 2.0),
-        ("otlp_encoder", "OTLP encoder", otelctx.check_otlp_encoder, 5.0),
     ]
     return [Check(cid, title, fn, timeout, cid in required) for cid, title, fn, timeout in table]
 

@@ -117,14 +117,14 @@ static __always_inline u32 llmobs_slot(u32 tid, u32 probe)
 BPF_ARRAY(llmobs_targets, struct llmobs_target, LLMOBS_TARGET_SLOTS);
 /* The sampling knobs: one entry, struct llmobs_config. */
 BPF_ARRAY(llmobs_config, struct llmobs_config, 1);
-/* Exact count / value sum / duration sum of ALL events per (pid, probe, step), added atomically.
- * A plain hash, preallocated: a key is new once per (pid, probe, step), which for a probe hit once a
+/* A plain hash, preallocated: a key is new once per (pid, probe, step), which for a probe hit once a
  * step (the tiny model's one linear layer; the first launch of each decode step) is every hit. Measured
  * in a real workload (bench/governor's tiny target, bpf_stats): a new key cost 56-58 us in the per-CPU
  * hash allocated per key it was before (the per-CPU allocator; +9.4% CPU per token from the one linear
  * probe), ~2.3 us preallocated. Not a preallocated per-CPU hash: its kernel memory is entries x CPUs
  * (200 MB on a 128-CPU host) and its creation one per-CPU allocation per entry (+53 ms on 2 CPUs, on
  * the path to the first event). The adds are atomic: threads of one step on several CPUs share a key. */
+/* Exact count / value sum / duration sum of ALL events per (pid, probe, step). */
 BPF_F_TABLE("hash", struct llmobs_agg_key, struct llmobs_agg_val, llmobs_aggs, LLMOBS_AGG_ENTRIES, 0);
 /* Loss and health counters, per CPU; indices LLMOBS_CTR_*. */
 BPF_PERCPU_ARRAY(llmobs_counters, u64, LLMOBS_NUM_COUNTERS);
