@@ -7,6 +7,9 @@ Real parts: ServingPublisher -> map -> ShmReader -> DuckDB store -> one long-liv
 
 from __future__ import annotations
 
+import duckdb
+import pytest
+from llmobs.otlp import source
 from llmobs.otlp.config import resolve
 from llmobs.otlp.delivery import OtlpExporter
 from llmobs.store.sink import DuckDBStore
@@ -73,3 +76,25 @@ def test_the_cursor_row_comes_back_when_it_is_gone_between_batches(served, store
     assert len(round_of(exporter, transport)) == 1
     newest = conn.execute("SELECT max(ingest_seq) FROM token_steps").fetchall()[0][0]
     assert conn.execute("SELECT exported_steps, ingest_seq FROM otlp_cursor").fetchall() == [(1, newest)]
+
+
+def test_incidents_are_skipped_only_where_the_store_has_no_incidents_table(tmp_path, monkeypatch):
+    """A store from before incidents (no table) sends its requests without them; any other failure of
+    the incidents read fails the batch (it is read and sent again), instead of sending the requests
+    without their incident events, silently, as a catch-all did."""
+    requests = [{"pid": 1, "trace_id": "ab" * 16}]
+    old = duckdb.connect(str(tmp_path / "old.duckdb"))  # no incidents table
+    source._attach_incidents(old, requests)
+    assert requests[0]["incidents"] == []
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    try:
+
+        def failing(conn, sql, params, tables=None):
+            raise duckdb.IOException("IO Error: the disk went away")
+
+        monkeypatch.setattr(source, "_dicts", failing)
+        with pytest.raises(duckdb.IOException):
+            source._attach_incidents(store.connection, requests)
+    finally:
+        store.close()
+        old.close()

@@ -713,8 +713,8 @@ def _attach_incidents(conn: duckdb.DuckDBPyConnection, requests: list[dict], sto
     keys = pa.table({"pid": [r["pid"] for r in requests], "trace_id": [r["trace_id"] for r in requests]})
     try:
         found = _dicts(conn, _REQUEST_INCIDENTS, None, {"_otlp_request_keys": keys})
-    except duckdb.Error:  # a store from before incidents (migration 11)
-        return
+    except duckdb.CatalogException:  # a store from before incidents (migration 11); any other failure
+        return  # fails the batch, which is read again, rather than sending its requests without them
     by_key = {(r["pid"], r["trace_id"]): r for r in requests}
     for row in found:
         by_key[(row["pid"], row["trace_id"])]["incidents"].append(row)
