@@ -28,12 +28,16 @@ THREAD_CTX = "llmobs.shm.c.libllmobs_otel_thread_ctx"  # -> llmobs/shm/c/libllmo
 THREAD_CTX_SOURCE = "agent/llmobs/shm/c/otel_thread_ctx.c"
 WIRE_GATHER = "llmobs.otlp._wire_gather"
 WIRE_GATHER_SOURCE = "agent/llmobs/otlp/c/wire_gather.c"
+EVENT_SPLIT = "llmobs.store._event_split"
+EVENT_SPLIT_SOURCE = "agent/llmobs/store/c/event_split.c"
 C_HEADERS = "agent/llmobs/c"  # blake2b_64.h: the span-id hash both C sources compute
 OPTIONAL = {  # extension -> what goes without it, for the warning a failed build prints
     THREAD_CTX: "the OTEP 4947 thread-context library was not built ({exc}); instrumented processes "
     "publish no thread context",
     WIRE_GATHER: "the OTLP encoder's C gather was not built ({exc}); OTLP export gathers with numpy, "
     "at more CPU per span",
+    EVENT_SPLIT: "the store's C ingest decoder was not built ({exc}); ring records are decoded with numpy, "
+    "at more CPU per event",
 }
 
 
@@ -102,8 +106,18 @@ def wire_gather_extension() -> Extension:
     )
 
 
+def event_split_extension() -> Extension:
+    return Extension(
+        EVENT_SPLIT,
+        sources=[EVENT_SPLIT_SOURCE],
+        extra_compile_args=["-O2", "-Wall", "-Wextra"],
+        optional=True,
+        py_limited_api=True,  # Py_LIMITED_API 3.11, as the source defines
+    )
+
+
 setup(
     cmdclass={"build_py": BuildPyWithProto, "build_ext": BuildExtensions},
-    ext_modules=[thread_ctx_extension(), wire_gather_extension()],
+    ext_modules=[thread_ctx_extension(), wire_gather_extension(), event_split_extension()],
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

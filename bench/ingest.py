@@ -2,8 +2,9 @@
 
 Measures, interleaved round by round so noise from other work on the machine hits every variant alike:
   decode        raw ring bytes -> EVENT_DTYPE (frombuffer + copy, as RingConsumer.drain) -> Arrow tables
-                (llmobs.store.ingest.EventDecoder); next to it the eBPF layer's records.md decoder
-                (llmobs.bpf.output.events_table: hex trace ids, plain strings) for comparison
+                (llmobs.store.ingest.EventDecoder: its C backend, and its numpy one beside it); next to
+                them the eBPF layer's records.md decoder (llmobs.bpf.output.events_table: hex trace ids,
+                plain strings) for comparison
   append        decoded tables -> DuckDBStore.export (one transaction per batch), per batch size
   end-to-end    raw bytes -> decode -> append, coalescing ring drains into one commit per --commit-rows
 Then a paced run: a drain every 20 ms at --paced-rate events/s is submitted to a StoreWriter (the
@@ -103,10 +104,13 @@ def bench_throughput(args, workdir: Path, report: Report) -> None:
         # stealing the core lengthen the wall time, not our CPU time
         return {"M events/CPU-s": total / watch.cpu / 1e6, "M events/s": total / watch.wall / 1e6}
 
-    def decode_ours(ctx):
-        with ctx.timed() as watch:
-            [decoder.decode(drain(d)) for d in drains]
-        return rates(watch)
+    def decode_with(ours: EventDecoder):
+        def arm(ctx):
+            with ctx.timed() as watch:
+                [ours.decode(drain(d)) for d in drains]
+            return rates(watch)
+
+        return arm
 
     def decode_bpf_output(ctx):
         with ctx.timed() as watch:
@@ -161,7 +165,9 @@ def bench_throughput(args, workdir: Path, report: Report) -> None:
     decode = report.compare(
         "decode raw ring bytes",
         [Arm("records.md columns (bpf.output)", decode_bpf_output),
-         Arm("Arrow (store fast path)", decode_ours)],
+         Arm(f"Arrow (store fast path, {decoder.backend})", decode_with(decoder))]
+        + ([Arm("Arrow (store fast path, numpy)", decode_with(EventDecoder(PROBE_NAMES, backend="numpy")))]
+           if decoder.backend == "c" else []),
         args.rounds, metrics=metrics,
     )  # fmt: skip
     arms = [Arm(f"commit per drain ({args.drain_events:,})", append_per_drain),

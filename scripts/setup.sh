@@ -118,9 +118,12 @@ TCTX_SRC="$ROOT/agent/llmobs/shm/c/otel_thread_ctx.c"
 TCTX_LIB="$ROOT/agent/llmobs/shm/c/libllmobs_otel_thread_ctx.so"
 GATHER_SRC="$ROOT/agent/llmobs/otlp/c/wire_gather.c"
 GATHER_LIB="$ROOT/agent/llmobs/otlp/_wire_gather.abi3.so"
-WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/scripts/setup.sh" "$TCTX_SRC" "$GATHER_SRC" \
+SPLIT_SRC="$ROOT/agent/llmobs/store/c/event_split.c"
+SPLIT_LIB="$ROOT/agent/llmobs/store/_event_split.abi3.so"
+WANT=$(cat "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/scripts/setup.sh" "$TCTX_SRC" "$GATHER_SRC" "$SPLIT_SRC" \
   | sha256sum | cut -d' ' -f1)
-if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || [ ! -f "$TCTX_LIB" ] || [ ! -f "$GATHER_LIB" ]; then
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ] || [ ! -f "$TCTX_LIB" ] || [ ! -f "$GATHER_LIB" ] \
+  || [ ! -f "$SPLIT_LIB" ]; then
   say "installing Python packages into $VENV (torch $TORCH_VERSION CPU build first, then llmobs-agent[test] editable)"
   pip_install "torch==$TORCH_VERSION"
   pip_install -e "$ROOT[test]"
@@ -153,6 +156,14 @@ if [ "$("$VENV/bin/python" -c 'from llmobs.otlp import wire; print(wire.gather_b
   say "OTLP encoder's C gather loads (${GATHER_LIB#"$ROOT"/})"
 else
   die "the OTLP encoder's C gather ${GATHER_LIB#"$ROOT"/} was not built or does not load; see why with: $VENV/bin/pip install -v --no-deps -e $ROOT"
+fi
+
+# --- 5b''. the store's C ingest decoder (llmobs.store._event_split), built by the same install -------
+# Optional for a pip install (ingest.py decodes with numpy without it); here, a missing one is an error.
+if [ "$("$VENV/bin/python" -c 'from llmobs.store import ingest; print(ingest.decoder_backend())')" = c ]; then
+  say "store's C ingest decoder loads (${SPLIT_LIB#"$ROOT"/})"
+else
+  die "the store's C ingest decoder ${SPLIT_LIB#"$ROOT"/} was not built or does not load; see why with: $VENV/bin/pip install -v --no-deps -e $ROOT"
 fi
 
 # --- 5c. SmolLM2, converted once -------------------------------------------------------------------

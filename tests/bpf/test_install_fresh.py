@@ -73,11 +73,12 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_the_demo_from_another_directory(
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("LLMOBS_")}
     # the thread-context library setup.py compiles (OTEP 4947), loaded as the extension module it is,
-    # and the OTLP encoder's C gather
+    # the OTLP encoder's C gather and the store's C ingest decoder
     where_from = (
         "import llmobs, llmobs._proto.llmobs_pb2 as pb; print(llmobs.__file__); print(pb.__file__)\n"
         "from llmobs.shm import thread_ctx as t; print(t.LIBRARY if t.uses_extension() else 'not-loaded')\n"
-        "import llmobs.otlp._wire_gather as g; print(g.__file__)"
+        "import llmobs.otlp._wire_gather as g; print(g.__file__)\n"
+        "import llmobs.store._event_split as s; print(s.__file__)"
     )
     where = subprocess.run(
         [python, "-c", where_from],
@@ -85,7 +86,7 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_the_demo_from_another_directory(
     )  # fmt: skip
     assert where.returncode == 0, where.stderr
     module_files = where.stdout.split()
-    assert len(module_files) == 4 and Path(module_files[2]).is_file(), where.stdout
+    assert len(module_files) == 5 and Path(module_files[2]).is_file(), where.stdout
     for module_file in module_files:
         assert Path(module_file).is_relative_to(site), (module_file, site)
     out = elsewhere / "demo"

@@ -218,3 +218,15 @@ def test_otlp_encoder_row_says_which_parts_are_built(fake: Context, monkeypatch)
     monkeypatch.setattr(wire, "_c_gather", None)
     none = doctor.check_otlp_encoder(fake)
     assert none.status == Status.DEGRADED and "numpy" in none.detail and "gcc" in none.hint
+
+
+def test_ingest_decoder_row_says_whether_the_c_decoder_is_built(fake: Context, monkeypatch) -> None:
+    from llmobs.commands import doctor
+    from llmobs.store import ingest
+
+    if ingest.decoder_backend() != "c":
+        pytest.skip("the C decoder is not built here (no compiler at install)")
+    assert doctor.check_ingest_decoder(fake).status == Status.OK
+    monkeypatch.setattr(ingest, "_event_split", None)
+    missing = doctor.check_ingest_decoder(fake)
+    assert missing.status == Status.DEGRADED and "numpy" in missing.detail and "gcc" in missing.hint

@@ -8,10 +8,14 @@ import pytest
 from llmobs.bpf.output import events_table
 from llmobs.bpf.profiles import PROBES
 from llmobs.bpf.records import EVENT_DTYPE, KINDS
-from llmobs.store import DuckDBStore
+from llmobs.store import DuckDBStore, ingest
 from llmobs.store.ingest import EventDecoder
 
 NAMES = [p.name for p in PROBES]
+# scripts/setup.sh builds the C decoder and fails where it cannot; a pip install without a compiler
+# decodes with numpy only
+BACKENDS = ["c", "numpy"] if ingest.decoder_backend() == "c" else ["numpy"]
+needs_c = pytest.mark.skipif(ingest.decoder_backend() != "c", reason="the C decoder is not built here")
 
 
 def _records(n, seed, kinds=None):
@@ -43,10 +47,11 @@ _SELECT = """
 """
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kinds", [None, 0, 2])
-def test_decoded_records_land_exactly_as_the_records_md_decoder_says(tmp_path, kinds):
+def test_decoded_records_land_exactly_as_the_records_md_decoder_says(tmp_path, kinds, backend):
     records = _records(5000, seed=4, kinds=kinds)
-    decoded = EventDecoder(NAMES, sample_ratio=7).decode(records)
+    decoded = EventDecoder(NAMES, sample_ratio=7, backend=backend).decode(records)
     table_of_kind = ("mem_events", "gpu_ops", "host_events", "host_events")
     expected_tables = {table_of_kind[k] for k in np.unique(records["kind"])}
     assert set(decoded) == expected_tables
@@ -66,13 +71,14 @@ def test_decoder_rejects_other_record_layouts():
     assert EventDecoder(NAMES).decode(np.zeros(0, dtype=EVENT_DTYPE)) == {}
 
 
-def test_parts_decode_exactly_as_their_concatenation():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parts_decode_exactly_as_their_concatenation(backend):
     # The writer decodes held drains together (no concatenation copy): same tables, same row order, as
     # one decode of the concatenated records, whatever the parts (a strided view, an empty drain).
     records = _records(3000, seed=11)
     strided = _records(1400, seed=12)[::2]
     parts = [records[:1000], np.zeros(0, dtype=EVENT_DTYPE), strided, records[1000:]]
-    decoder = EventDecoder(NAMES, sample_ratio=3)
+    decoder = EventDecoder(NAMES, sample_ratio=3, backend=backend)
     together = decoder.decode_parts(parts)
     concatenated = decoder.decode(np.concatenate(parts))
     assert set(together) == set(concatenated) == {"mem_events", "gpu_ops", "host_events"}
@@ -101,13 +107,89 @@ def test_the_bpf_layers_own_tables_append_as_they_are(tmp_path):
         ]
 
 
-def test_an_unknown_kind_goes_to_host_events_as_unknown(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_unknown_kind_goes_to_host_events_as_unknown(tmp_path, backend):
     records = _records(10, seed=5, kinds=0)
     records["kind"][3] = 9  # from a newer BPF program
-    decoded = EventDecoder(NAMES).decode(records)
+    decoded = EventDecoder(NAMES, backend=backend).decode(records)
     assert decoded["mem_events"].num_rows == 9 and decoded["host_events"].num_rows == 1
     with DuckDBStore(tmp_path / "k.duckdb") as store:
         assert store.export(decoded).ok
         assert store.query("SELECT kind, ts_ns FROM host_events").to_pylist() == [
             {"kind": "unknown", "ts_ns": int(records["ts_ns"][3])}
         ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_probe_index_past_the_table_is_stored_as_unknown_not_lost(tmp_path, backend):
+    # One record naming no probe of ours (a newer BPF program, a damaged record) used to fail the whole
+    # batch's decode, and with it every event of the commit.
+    records = _records(50, seed=6, kinds=0)
+    records["probe"][[7, 8]] = [len(NAMES), 0xFFFF]
+    decoded = EventDecoder(NAMES, backend=backend).decode(records)
+    with DuckDBStore(tmp_path / "p.duckdb") as store:
+        assert store.export(decoded).ok
+        stored = store.query("SELECT ts_ns, probe FROM mem_events ORDER BY ts_ns").to_pylist()
+    assert len(stored) == 50
+    unknown = [row["ts_ns"] for row in stored if row["probe"] == "unknown"]
+    assert unknown == sorted(int(records["ts_ns"][i]) for i in (7, 8))
+
+
+@needs_c
+def test_c_and_numpy_decoders_agree_on_every_bit_pattern():
+    # Every field at random over its whole range (cpu past 16 bits, probe past 15, top bits set, every
+    # kind byte), in parts of uneven sizes: the C decoder's tables equal numpy's column for column.
+    rng = np.random.default_rng(21)
+    raw = rng.integers(0, 256, size=(4099, EVENT_DTYPE.itemsize), dtype=np.uint8)
+    records = raw.view(EVENT_DTYPE).reshape(-1)
+    parts = [records[:1], records[1:2048], np.zeros(0, dtype=EVENT_DTYPE), records[2048:]]
+    c = EventDecoder(NAMES, sample_ratio=5, backend="c").decode_parts(parts)
+    by_numpy = EventDecoder(NAMES, sample_ratio=5, backend="numpy").decode_parts(parts)
+    assert set(c) == set(by_numpy) == {"mem_events", "gpu_ops", "host_events"}
+    for table, expected in by_numpy.items():
+        assert c[table].schema == expected.schema, table
+        for name in expected.schema.names:
+            assert c[table].column(name).equals(expected.column(name)), (table, name)
+
+
+@needs_c
+def test_the_c_split_checks_every_size_before_it_writes():
+    from llmobs.store import _event_split
+
+    records = _records(100, seed=3, kinds=0)
+    table_of_kind = np.zeros(256, dtype=np.int8)
+    sizes = (4, 4, 2, 8, 8, 8, 8, 8, 8, 2, 1)
+
+    def columns(rows):  # every table given `rows` rows of room, filled with a sentinel
+        return tuple(tuple(np.full(rows * size, 0xAB, dtype=np.uint8) for size in sizes) for _ in range(3))
+
+    assert _event_split.counts([records], table_of_kind) == (100, 0, 0)
+    short = columns(99)  # one row too few for table 0
+    with pytest.raises(ValueError, match="columns\\[0\\] \\(pid\\)"):
+        _event_split.split([records], table_of_kind, short)
+    assert all((column == 0xAB).all() for table in short for column in table)
+    with pytest.raises(ValueError, match="whole 64-byte records"):
+        _event_split.split([records.view(np.uint8)[:-8]], table_of_kind, columns(100))
+    with pytest.raises(ValueError, match="there are 3 tables"):
+        _event_split.counts([records], np.full(256, 3, dtype=np.int8))
+    with pytest.raises(ValueError, match="256 bytes"):
+        _event_split.counts([records], np.zeros(255, dtype=np.int8))
+    with pytest.raises(TypeError):
+        _event_split.split([records], table_of_kind, columns(100)[:2])
+    readonly = np.zeros(100 * 4, dtype=np.uint8)
+    readonly.flags.writeable = False
+    with pytest.raises((TypeError, BufferError, ValueError)):
+        _event_split.split([records], table_of_kind, ((readonly,) + columns(100)[0][1:],) + columns(100)[1:])
+    fits = columns(100)
+    _event_split.split([records], table_of_kind, fits)
+    assert fits[0][0].view("<i4").tolist() == records["pid"].astype("<i4").tolist()
+
+
+def test_a_record_layout_the_c_decoder_does_not_read_falls_back_to_numpy():
+    # The same fields in another order: the C module's offsets no longer match, so it must not be used.
+    moved = np.dtype([(name, EVENT_DTYPE.fields[name][0]) for name in reversed(EVENT_DTYPE.names)])
+    assert EventDecoder(NAMES, dtype=moved).backend == "numpy"
+    with pytest.raises(ValueError, match="C decoder"):
+        EventDecoder(NAMES, dtype=moved, backend="c")
+    with pytest.raises(ValueError, match="backend"):
+        EventDecoder(NAMES, backend="rust")

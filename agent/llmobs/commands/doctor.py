@@ -45,6 +45,25 @@ def check_otlp_encoder(ctx: Context) -> Finding:
 OTLP_ENCODER = Check("otlp_encoder", "OTLP encoder", check_otlp_encoder, 5.0, False)
 
 
+def check_ingest_decoder(ctx: Context) -> Finding:
+    """Whether the store's C ingest decoder (store/c/event_split.c) is built: without it the ring's
+    records are decoded with numpy, to the same rows at more CPU per event."""
+    from llmobs.store import ingest  # numpy and pyarrow: only when doctor runs
+
+    if ingest.decoder_backend() != "c":
+        return Finding(
+            Status.DEGRADED,
+            "ring records are decoded with numpy (llmobs.store._event_split not built): the same rows at "
+            "more CPU each",
+            "install gcc, libc6-dev and python3-dev, then reinstall llmobs-agent (in a checkout: "
+            "scripts/setup.sh)",
+        )
+    return Finding(Status.OK, "C decoder (llmobs.store._event_split)")
+
+
+INGEST_DECODER = Check("ingest_decoder", "Ingest decoder", check_ingest_decoder, 5.0, False)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print the rows as a JSON list instead of a table"
@@ -89,7 +108,7 @@ def verdict(rows: list[Row]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    rows = run_checks(checks=[*default_checks(), OTLP_ENCODER])
+    rows = run_checks(checks=[*default_checks(), OTLP_ENCODER, INGEST_DECODER])
     if getattr(args, "pid", None) is not None:
         from llmobs.hostcheck.otelctx import process_row
 
