@@ -166,6 +166,12 @@ LLMOBS_OVERHEAD_COST_SCALE = "LLMOBS_OVERHEAD_COST_SCALE"
 Default: 2.3. Read by: the daemon's settings.
 """
 
+LLMOBS_CPU_PRIORITY = "LLMOBS_CPU_PRIORITY"
+"""overhead.cpu_priority: idle (SCHED_IDLE: the agent runs only on CPU the workload leaves) or normal.
+
+Default: idle. Read by: the daemon's settings and attach (llmobs/runtime/cpu_priority.py).
+"""
+
 LLMOBS_MAX_TARGETS = "LLMOBS_MAX_TARGETS"
 """daemon.max_targets: at most this many processes are attached at once.
 

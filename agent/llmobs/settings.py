@@ -401,6 +401,20 @@ SETTINGS: tuple[Setting, ...] = (
         flag_help="the prior of the learned probe-cost factor: each target starts at X",
     ),
     Setting(
+        "overhead.cpu_priority",
+        "cpu_priority",
+        "idle",
+        environment.LLMOBS_CPU_PRIORITY,
+        "--cpu-priority",
+        _choice("idle", "normal"),
+        "idle or normal",
+        "idle: the agent's threads run under SCHED_IDLE once attached, only on CPU the workload leaves"
+        " (a starved agent's losses are counted, never the workload's time); normal: as started",
+        live=False,
+        metavar="POLICY",
+        flag_help="idle (default): the agent runs only on CPU the workload leaves; normal: as started",
+    ),
+    Setting(
         "daemon.run_dir",
         "run_dir",
         "/run/llmobs",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from test_cpu_priority import policies
 
 from bench.held_workload import HeldWorkload
 
@@ -217,6 +218,8 @@ def test_two_workloads_on_one_program_detach_on_exit_and_drain_on_sigterm(tmp_pa
             assert f"MAINPID={daemon.pid}" in ready
             attached = {int(daemon.wait_line(r"attach pid (\d+) ").group(1)) for _ in range(2)}
             assert attached == {first.pid, second.pid}
+            # its loop runs under SCHED_IDLE (overhead.cpu_priority's default), every thread of it
+            assert set(policies(daemon.pid).values()) == {os.SCHED_IDLE}
 
             # ONE program: every uprobe of both targets runs the same BPF program id, which is the
             # daemon's own uprobe__linear (its status file says which id it loaded)

@@ -148,6 +148,7 @@ def test_run_flags_are_generated_from_the_settings_table(capsys) -> None:
         "--interval",
         "--overhead-budget",
         "--cost-scale",
+        "--cpu-priority",
         "--run-dir",
         "--detector",
         "--alarm-rate",

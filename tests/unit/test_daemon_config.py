@@ -97,6 +97,7 @@ BAD_VALUES = {
     "discovery.recheck_s": "often",
     "overhead.budget": 1.5,
     "overhead.cost_scale": 0,
+    "overhead.cpu_priority": "realtime",
     "daemon.run_dir": "",
     "daemon.max_targets": 5000,
     "detector.name": "zscore",

@@ -60,7 +60,13 @@ COST_SCALE = flag(
     "hit inside a workload costs more than in the calibration's loop); the governor starts at X and "
     "learns the factor from its own sheds and restores (docs/governor.md)",
 )
-SETTING_FLAGS = (PROFILE, SAMPLE, SAMPLE_MODE, IOCTL_PATHS, OVERHEAD_BUDGET, COST_SCALE)
+CPU_PRIORITY = flag(
+    "overhead.cpu_priority",
+    help="idle (default): once attached, the agent's threads run under SCHED_IDLE, only on CPU the "
+    "workload leaves (if it leaves none, the agent falls behind and its losses are counted); normal: "
+    "the priority it was started with (docs/governor.md)",
+)
+SETTING_FLAGS = (PROFILE, SAMPLE, SAMPLE_MODE, IOCTL_PATHS, OVERHEAD_BUDGET, COST_SCALE, CPU_PRIORITY)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +103,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--budget", metavar="PCT", help="deprecated: the overhead budget in percent; use --overhead-budget"
     )
-    add_flags(parser, (COST_SCALE,))
+    add_flags(parser, (COST_SCALE, CPU_PRIORITY))
     add_detector_arguments(parser)
     add_flags(parser, replay_flags())
     parser.add_argument("--status-interval", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
@@ -124,6 +130,7 @@ def _validate(args: argparse.Namespace) -> tuple[str, ...]:
     args.sample_mode = values["probes.sample_mode"]
     args.ioctl_paths = values["probes.ioctl_paths"]
     args.cost_scale = values["overhead.cost_scale"]
+    args.cpu_priority = values["overhead.cpu_priority"]
     args.overhead_budget = budget  # a fraction, as overhead.budget
     try:
         args.detector_config = detector_config(args)
@@ -245,7 +252,7 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         agent = Agent(
             store=store, owns_store=True, exporter=exporter, budget=budget, cost_scale=args.cost_scale,
             log=lambda line: print(line, file=sys.stderr, flush=True), on_detach=on_detach,
-            presence=presence,
+            presence=presence, cpu_priority=args.cpu_priority,
         )  # fmt: skip
         store = presence = None  # the agent closes them now
         agent.add(session, pipeline, sinks=sinks)

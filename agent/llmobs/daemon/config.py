@@ -45,6 +45,7 @@ class DaemonConfig:
     recheck_s: float
     overhead_budget: float
     cost_scale: float
+    cpu_priority: str
     run_dir: Path
     max_targets: int
     detector: str  # detector.*: the token-loss anomaly detectors of every target (detector_config())

@@ -465,4 +465,5 @@ def new_agent(config: DaemonConfig, fleet: Fleet, store, exporter, log, on_detac
     return Agent(
         store=store, ring=fleet.ring, ring_records=fleet.ring_records, exporter=exporter,
         budget=config.overhead_budget, cost_scale=config.cost_scale, log=log, on_detach=on_detach,
+        cpu_priority=config.cpu_priority,
     )  # fmt: skip

@@ -22,7 +22,7 @@ import numpy as np
 
 from llmobs.bpf.records import EVENT_DTYPE
 from llmobs.dataflow import CompositeSink, Sink
-from llmobs.runtime import startup_pages
+from llmobs.runtime import cpu_priority, startup_pages
 from llmobs.stagecpu import STAGES
 
 # The ring is submitted without wake-ups; it is drained every DRAIN_PERIOD_S[0] (20 ms) while events
@@ -134,6 +134,7 @@ class Agent:
         on_detach: Callable[[Detached], None] | None = None,
         presence=None,
         nvml: bool = True,
+        cpu_priority: str = "normal",
     ):
         self.store = store
         self.owns_store = owns_store
@@ -150,6 +151,9 @@ class Agent:
         self.hook_errors: dict[str, str] = {}  # bookkeeping that failed, by name (status shows it)
         self.last_sample: dict | None = None  # the self-telemetry's last reading
         self.cost_scale = cost_scale
+        # idle: the threads go under SCHED_IDLE when the loop starts (runtime/cpu_priority.py); the
+        # commands pass their setting (default idle), a runtime built in-process (demo, tests) stays normal
+        self.cpu_priority = cpu_priority
         self.exporter_counters = None  # what the exporter's finish() reported at close
         self.store_error: str | None = None  # the store's close failure, if any
         self.governor = None
@@ -433,6 +437,7 @@ class Agent:
         """The loop: the due tasks, one drain, then a wait of the drain period, until `stop()` is truthy.
         `wait(seconds)` may return early (the daemon's signal pipe wakes it)."""
         tasks = list(tasks)
+        self._apply_cpu_priority()
         while not stop():
             now = time.monotonic()
             for task in tasks:
@@ -444,6 +449,15 @@ class Agent:
             if stop():
                 return
             wait(self.period(drained))
+
+    def _apply_cpu_priority(self) -> None:
+        """Once, when the loop starts: attached, its threads started (later ones inherit the policy)."""
+        if self.cpu_priority == cpu_priority.NORMAL:
+            return
+        failed = cpu_priority.apply(self.cpu_priority)
+        if failed:
+            self.log(f"warning: cpu priority {self.cpu_priority} not set on every thread ({failed}); "
+                     "the agent runs at the priority it was started with there")  # fmt: skip
 
     def close(self, reason: str = "agent stopping") -> list[Detached]:
         """Removes every target (final totals, commit, correlate), then finishes the exporter while the

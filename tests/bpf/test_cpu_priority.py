@@ -1,0 +1,74 @@
+"""`attach`'s CPU priority on a real target: by default, once attached, every thread of the agent runs
+under SCHED_IDLE (only on CPU the workload leaves) and the workload's threads are untouched;
+`--cpu-priority normal` leaves the agent as it was started."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from llmobs.runtime import cpu_priority
+from test_attach import Agent
+
+from bench.held_workload import HeldWorkload
+
+SCHED_POLICY_FIELD = 40  # /proc/PID/task/TID/stat, after the command's ")": field 41 is the policy
+
+
+def policies(pid: int) -> dict[int, int]:
+    """Each thread's scheduling policy (os.SCHED_*), from /proc."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as file:
+                stat = file.read()
+        except FileNotFoundError:  # the thread ended
+            continue
+        found[int(tid)] = int(stat[stat.rindex(")") + 2 :].split()[SCHED_POLICY_FIELD - 2])
+    return found
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"), [((), os.SCHED_IDLE), (("--cpu-priority", "normal"), os.SCHED_OTHER)]
+)
+def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(flags, expected):
+    args = ("--model", "tiny", "--requests", "1", "--max-new-tokens", "2", "--threads", "1")
+    with HeldWorkload(*args) as workload:
+        agent = Agent("--pid", str(workload.pid), *flags)
+        agent.wait_for("attached in")
+        agent.wait_for(" events/s | ")  # the status line: the loop has started, the policy is set
+        threads = policies(agent.pid)
+        workload_threads = policies(workload.pid)
+        workload.generate()  # under the agent, as ever
+        agent.proc.send_signal(signal.SIGINT)
+        code, text = agent.finish()
+    assert code == 0, text
+    assert len(threads) > 1  # the store-less attach still runs threads beside the loop
+    assert set(threads.values()) == {expected}, threads
+    assert set(workload_threads.values()) == {os.SCHED_OTHER}, workload_threads
+
+
+def test_apply_sets_every_thread_and_later_threads_inherit(tmp_path):
+    # In a child process: SCHED_IDLE is not undone inside the test process.
+    import subprocess
+    import sys
+
+    code = """
+import os, threading
+from llmobs.runtime import cpu_priority
+started = threading.Event(); done = threading.Event()
+before = threading.Thread(target=lambda: (started.set(), done.wait())); before.start(); started.wait()
+assert cpu_priority.apply("normal") is None and cpu_priority.current() == "normal"
+assert cpu_priority.apply("idle") is None
+seen = {}
+after = threading.Thread(target=lambda: seen.update(policy=cpu_priority.current()))
+after.start(); after.join()
+print(cpu_priority.current(), cpu_priority.current(before.native_id), seen["policy"])
+done.set(); before.join()
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["idle", "idle", "idle"]
+    with pytest.raises(ValueError, match="idle, normal"):
+        cpu_priority.apply("realtime")
