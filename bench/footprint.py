@@ -9,7 +9,8 @@ interval; with --until, rounds are added two at a time until every interval is a
             (the store read as a running agent opens it: one DuckDB thread, its memory cap)
   ingest    synthetic ring records decoded and stored in DuckDB: events/s and events per CPU-second
   slowdown  SmolLM2 tokens/s with no agent, with the previous release's `attach` and with this one's
-            (default profile, the default store), at 1 and 2 torch threads: ratios to no agent
+            (default profile, `--db` a fresh store: the issue's "default attach --db"; --no-store
+            attaches without one), at 1 and 2 torch threads: ratios to no agent
 
 The per-hit probe cost (bench/probes.py --only cost), the governor's measured-vs-budget table
 (bench/governor.py), the agent's CPU per token step by stage (bench/step_cost.py) and the 30-minute soak
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20_000, help="otlp: token steps in the store")
     parser.add_argument("--tokens", type=int, default=24, help="slowdown: tokens per request")
     parser.add_argument("--requests", type=int, default=2, help="slowdown: requests per round")
+    parser.add_argument("--no-store", action="store_true", help="slowdown: attach without --db")
     add_json_option(parser)
     args = parser.parse_args(argv)
     only = selected_figures(parser, args.only, FIGURES)
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                         "requests": args.requests,
                         "tokens": args.tokens,
                         "threads": threads,
+                        "db": not args.no_store,
                     }
                     arms = [arm("none", args.candidate, "tokens", {**base, "agent": False}, {})]
                     arms += [arm(name, tree, "tokens", base, imported) for name, tree in trees.items()]

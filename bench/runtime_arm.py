@@ -158,8 +158,13 @@ def attach_latency(opts: dict) -> dict:
 
 
 def tokens(opts: dict) -> dict:
-    """SmolLM2 generating --requests x --tokens while `attach --pid P` (default flags) is attached:
-    the workload's own tokens/s (from "go" to its last token)."""
+    """SmolLM2 generating --requests x --tokens while `attach --pid P` (default flags; with opts["db"],
+    `--db` a fresh store, as the issue measures the default `attach --db`) is attached: the workload's
+    own tokens/s (from "go" to its last token)."""
+    if opts.get("db") and opts.get("agent", True):
+        with tempfile.TemporaryDirectory(prefix="llmobs-rt-tokens-") as tmp:
+            flags = (*opts.get("flags", ()), "--db", f"{tmp}/t.duckdb")
+            return tokens({**opts, "db": False, "flags": flags})
     tree = Path(opts["tree"])
     threads = str(opts.get("threads", 1))
     workload = Workload(tree, "--model", opts["model"], "--requests", str(opts["requests"]),
