@@ -43,6 +43,17 @@ def test_events_table_columns():
     assert {row["sample_ratio"] for row in rows} == {4}
 
 
+def test_codes_past_the_tables_are_unknown_not_a_failed_batch():
+    # a newer BPF program's probe or kind, a damaged record: that event says "unknown", the rest of the
+    # batch is written as ever (before, `take` failed and with it the whole batch)
+    events = _events(4)
+    events["probe"][1] = 0xFFFF
+    events["kind"][2] = 200
+    rows = events_table(events, sample_ratio=1).to_pylist()
+    assert [row["probe"] for row in rows] == ["sgemm", "unknown", "sgemm", "sgemm"]
+    assert [row["kind"] for row in rows] == ["compute", "compute", "unknown", "compute"]
+
+
 def test_writer_roundtrip(tmp_path):
     path, aggs, summary = companion_paths(tmp_path / "out.parquet")
     assert aggs.name == "out.aggregates.parquet" and summary.name == "out.summary.json"

@@ -54,8 +54,10 @@ def _arrow():
             ("sample_ratio", pa.uint32()),
         ]
     )
-    probes = pa.array([probe.name for probe in PROBES], pa.string())
-    return pa, pc, schema, probes, pa.array(list(KINDS), pa.string())
+    # each with "unknown" last: a code past the table (a newer BPF program, a damaged record) takes it
+    # instead of failing `take`, and with it the whole batch
+    probes = pa.array([*(probe.name for probe in PROBES), "unknown"], pa.string())
+    return pa, pc, schema, probes, pa.array([*KINDS, "unknown"], pa.string())
 
 
 def __getattr__(name: str):
@@ -82,8 +84,8 @@ def events_table(events: np.ndarray, sample_ratio: int) -> pa.Table:
             pa.array(events["tid"]),
             pa.array(events["cpu"]),
             pa.array(events["ts_ns"]),
-            pc.take(probe_names, pa.array(events["probe"])),
-            pc.take(kind_names, pa.array(events["kind"])),
+            pc.take(probe_names, pa.array(np.minimum(events["probe"], len(probe_names) - 1))),
+            pc.take(kind_names, pa.array(np.minimum(events["kind"], len(kind_names) - 1))),
             pa.array(events["step_seq"]),
             pc.take(pa.array(texts, pa.string()), pa.array(runs)),
             pa.array(events["value"]),
