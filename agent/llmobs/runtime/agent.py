@@ -154,6 +154,7 @@ class Agent:
         # idle: the threads go under SCHED_IDLE when the loop starts (runtime/cpu_priority.py); the
         # commands pass their setting (default idle), a runtime built in-process (demo, tests) stays normal
         self.cpu_priority = cpu_priority
+        self._idle_scheduled: tuple[int, int] | None = None  # the policy before the loop's start
         self.exporter_counters = None  # what the exporter's finish() reported at close
         self.store_error: str | None = None  # the store's close failure, if any
         self.governor = None
@@ -452,8 +453,9 @@ class Agent:
 
     def _apply_cpu_priority(self) -> None:
         """Once, when the loop starts: attached, its threads started (later ones inherit the policy)."""
-        if self.cpu_priority == cpu_priority.NORMAL:
+        if self.cpu_priority == cpu_priority.NORMAL or self._idle_scheduled is not None or self._closed:
             return
+        self._idle_scheduled = cpu_priority.started_with()
         failed = cpu_priority.apply(self.cpu_priority)
         if failed:
             self.log(f"warning: cpu priority {self.cpu_priority} not set on every thread ({failed}); "
@@ -465,6 +467,11 @@ class Agent:
         if self._closed:
             return []
         self._closed = True
+        if self._idle_scheduled is not None:  # the final harvest, commit, correlate: not on idle CPU
+            failed = cpu_priority.restore(self._idle_scheduled)
+            self._idle_scheduled = None
+            if failed:
+                self.log(f"warning: the agent's normal priority not restored on every thread ({failed})")
         self.stage_cpu = STAGES.snapshot()  # the steady state, before the detach's final work
         detached = [self.remove(pid, reason) for pid in list(self.targets)]
         if self.exporter is not None:
