@@ -16,14 +16,17 @@ from bench.held_workload import HeldWorkload
 SCHED_POLICY_FIELD = 40  # /proc/PID/task/TID/stat, after the command's ")": field 41 is the policy
 
 
-def policies(pid: int) -> dict[int, int]:
-    """Each thread's scheduling policy (os.SCHED_*), from /proc."""
+def policies(pid: int, guard: bool = False) -> dict[int, int]:
+    """Each thread's scheduling policy (os.SCHED_*), from /proc; without the starvation guard's thread
+    (at the agent's start priority by design) unless `guard`."""
     found = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as file:
                 stat = file.read()
         except FileNotFoundError:  # the thread ended
+            continue
+        if not guard and stat[stat.index("(") + 1 : stat.rindex(")")] == cpu_priority.GUARD_THREAD_NAME:
             continue
         found[int(tid)] = int(stat[stat.rindex(")") + 2 :].split()[SCHED_POLICY_FIELD - 2])
     return found
@@ -38,7 +41,7 @@ def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(flags,
         agent = Agent("--pid", str(workload.pid), *flags)
         agent.wait_for("attached in")
         agent.wait_for(" events/s | ")  # the status line: the loop has started, the policy is set
-        threads = policies(agent.pid)
+        threads, with_guard = policies(agent.pid), policies(agent.pid, guard=True)
         workload_threads = policies(workload.pid)
         workload.generate()  # under the agent, as ever
         agent.proc.send_signal(signal.SIGINT)
@@ -46,6 +49,10 @@ def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(flags,
     assert code == 0, text
     assert len(threads) > 1  # the store-less attach still runs threads beside the loop
     assert set(threads.values()) == {expected}, threads
+    # idle: exactly one more thread, the starvation guard, at the start priority; normal: no guard
+    guards = set(with_guard) - set(threads)
+    assert len(guards) == (1 if expected == os.SCHED_IDLE else 0), with_guard
+    assert all(with_guard[tid] == os.SCHED_OTHER for tid in guards), with_guard
     assert set(workload_threads.values()) == {os.SCHED_OTHER}, workload_threads
 
 
@@ -107,3 +114,36 @@ print(seen[0], cpu_priority.current())
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["idle", "normal"]
+
+
+def test_a_starved_agent_gets_its_start_priority_back_and_goes_idle_again_once_fed():
+    # The loop has not turned for max_starved_s: the guard puts every thread back at its start priority
+    # (counted), and idle again once the loop turns settle_s without a gap. In a child process.
+    import subprocess
+    import sys
+
+    code = """
+import os, threading, time
+from llmobs.runtime import cpu_priority
+previous = cpu_priority.started_with()
+cpu_priority.apply("idle")
+turn = {"at": time.monotonic() - 60}  # starved since long ago
+rescues = []
+guard = cpu_priority.StarvationGuard(previous, lambda: turn["at"], lambda: rescues.append(1),
+                                     max_starved_s=0.2, settle_s=0.3, check_s=0.02)
+guard.start()
+def until(want, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while cpu_priority.current() != want:
+        assert time.monotonic() < deadline, want
+        turn["at"] = turn["at"] if want == "normal" else time.monotonic()  # fed while waiting for idle
+        time.sleep(0.01)
+until("normal")
+print(len(rescues), cpu_priority.current(guard._thread.native_id))
+until("idle")
+print(cpu_priority.current(guard._thread.native_id))
+guard.stop()
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "normal", "normal"]

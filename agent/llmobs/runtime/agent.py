@@ -155,6 +155,8 @@ class Agent:
         # commands pass their setting (default idle), a runtime built in-process (demo, tests) stays normal
         self.cpu_priority = cpu_priority
         self._idle_scheduled: tuple[int, int] | None = None  # the policy before the loop's start
+        self._starvation_guard = None  # cpu_priority.StarvationGuard while idle-scheduled
+        self._last_turn = time.monotonic()  # the loop's last turn, which the guard watches
         self.exporter_counters = None  # what the exporter's finish() reported at close
         self.store_error: str | None = None  # the store's close failure, if any
         self.governor = None
@@ -440,7 +442,7 @@ class Agent:
         tasks = list(tasks)
         self._apply_cpu_priority()
         while not stop():
-            now = time.monotonic()
+            now = self._last_turn = time.monotonic()
             for task in tasks:
                 if task.due(now):
                     task.run(now)
@@ -456,7 +458,12 @@ class Agent:
         if self.cpu_priority == cpu_priority.NORMAL or self._idle_scheduled is not None or self._closed:
             return
         self._idle_scheduled = cpu_priority.started_with()
+        self._last_turn = time.monotonic()
         failed = cpu_priority.apply(self.cpu_priority)
+        self._starvation_guard = cpu_priority.StarvationGuard(
+            self._idle_scheduled, lambda: self._last_turn, lambda: STAGES.count("cpu_starved")
+        )
+        self._starvation_guard.start()
         if failed:
             self.log(f"warning: cpu priority {self.cpu_priority} not set on every thread ({failed}); "
                      "the agent runs at the priority it was started with there")  # fmt: skip
@@ -468,6 +475,7 @@ class Agent:
             return []
         self._closed = True
         if self._idle_scheduled is not None:  # the final harvest, commit, correlate: not on idle CPU
+            self._starvation_guard.stop()
             failed = cpu_priority.restore(self._idle_scheduled)
             self._idle_scheduled = None
             if failed:
