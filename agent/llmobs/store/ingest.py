@@ -78,10 +78,10 @@ class EventDecoder:
             raise ValueError("event records must be a whole number of 8-byte words")
         if backend not in (None, "c", "numpy"):
             raise ValueError(f"backend must be 'c' or 'numpy', not {backend!r}")
-        if backend == "c" and not _c_reads(dtype):
+        c_reads = _c_reads(dtype)
+        if backend == "c" and not c_reads:
             raise ValueError("the C decoder is not built, or does not read these records")
-        # None: C where it reads these records, else numpy
-        self.backend = backend or ("c" if _c_reads(dtype) else "numpy")
+        self.backend = backend or ("c" if c_reads else "numpy")  # None: C where it reads these records
         self.dtype = dtype
         self.sample_ratio = sample_ratio
         self._words = dtype.itemsize // _WORD

@@ -110,6 +110,21 @@ static void count_records(const parts_view *parts, const uint8_t *table_of_kind,
   }
 }
 
+/* `parts` and `table_of_kind` opened together: on failure nothing stays open. */
+static int open_inputs(PyObject *const *args, parts_view *parts, Py_buffer *kinds) {
+  if (open_parts(args[0], parts) < 0) return -1;
+  if (open_table_of_kind(args[1], kinds) < 0) {
+    release_parts(parts);
+    return -1;
+  }
+  return 0;
+}
+
+static void release_inputs(parts_view *parts, Py_buffer *kinds) {
+  PyBuffer_Release(kinds);
+  release_parts(parts);
+}
+
 static PyObject *py_counts(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
   (void)self;
   if (nargs != 2) {
@@ -120,21 +135,16 @@ static PyObject *py_counts(PyObject *self, PyObject *const *args, Py_ssize_t nar
   if (!parts) return PyErr_NoMemory();
   Py_buffer kinds;
   Py_ssize_t counts[TABLES];
-  if (open_parts(args[0], parts) < 0) goto fail;
-  if (open_table_of_kind(args[1], &kinds) < 0) {
-    release_parts(parts);
-    goto fail;
+  PyObject *result = NULL;
+  if (open_inputs(args, parts, &kinds) == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    count_records(parts, kinds.buf, counts);
+    Py_END_ALLOW_THREADS
+    release_inputs(parts, &kinds);
+    result = Py_BuildValue("(nnn)", counts[0], counts[1], counts[2]);
   }
-  Py_BEGIN_ALLOW_THREADS
-  count_records(parts, kinds.buf, counts);
-  Py_END_ALLOW_THREADS
-  PyBuffer_Release(&kinds);
-  release_parts(parts);
   PyMem_Free(parts);
-  return Py_BuildValue("(nnn)", counts[0], counts[1], counts[2]);
-fail:
-  PyMem_Free(parts);
-  return NULL;
+  return result;
 }
 
 typedef struct {
@@ -234,19 +244,16 @@ static PyObject *py_split(PyObject *self, PyObject *const *args, Py_ssize_t narg
     PyErr_NoMemory();
     goto done;
   }
-  if (open_parts(args[0], parts) < 0) goto done;
-  if (open_table_of_kind(args[1], &kinds) < 0) goto release_parts;
+  if (open_inputs(args, parts, &kinds) < 0) goto done;
   count_records(parts, kinds.buf, counts);
-  if (open_columns(args[2], counts, cols) < 0) goto release_kinds;
-  Py_BEGIN_ALLOW_THREADS
-  split_records(parts, kinds.buf, cols);
-  Py_END_ALLOW_THREADS
-  release_columns(cols);
-  result = Py_NewRef(Py_None);
-release_kinds:
-  PyBuffer_Release(&kinds);
-release_parts:
-  release_parts(parts);
+  if (open_columns(args[2], counts, cols) == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    split_records(parts, kinds.buf, cols);
+    Py_END_ALLOW_THREADS
+    release_columns(cols);
+    result = Py_NewRef(Py_None);
+  }
+  release_inputs(parts, &kinds);
 done:
   PyMem_Free(parts);
   PyMem_Free(cols);
