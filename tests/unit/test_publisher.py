@@ -71,6 +71,29 @@ def test_device_block_matches_independent_math():
     assert untargeted[:, 1].tolist() == logits.argmax(-1).tolist() and (untargeted[:, 2] == -1).all()
 
 
+@pytest.mark.parametrize("targets", [None, [3, -100, 7, 49, 0, -100, 12], [3, 1, 7, 49, 0, 2, 12]])
+def test_device_block_in_cpu_chunks_equals_one_pass(monkeypatch, targets):
+    """Many rows on a CPU are computed a few rows at a time (device_math.CPU_CHUNK_BYTES): each row's
+    block is the one-pass block's, the rows in order, a short last chunk included."""
+    from llmobs.publisher import device_math
+
+    torch.manual_seed(2)
+    logits = torch.randn(7, 50) * 3
+    target = None if targets is None else torch.tensor(targets)
+    tokens = torch.arange(7) + 100
+    whole = device_block(logits, target, tokens)  # 1,400 bytes: one chunk
+    monkeypatch.setattr(device_math, "CPU_CHUNK_BYTES", 3 * 50 * 4)  # 3 rows a chunk: 3 + 3 + 1
+    monkeypatch.setattr(device_math, "CPU_CHUNK_THREADS", 1)  # however many threads torch runs
+    assert device_math._cpu_chunk_rows(logits) == 3
+    chunked = device_block(logits, target, tokens)
+    assert chunked.shape == whole.shape == (7, 7)
+    f, g = whole[:, :4], chunked[:, :4]
+    assert torch.allclose(f, g, atol=1e-6, equal_nan=True) and torch.equal(f.isnan(), g.isnan())
+    assert torch.equal(
+        whole[:, 4:].contiguous().view(torch.int32), chunked[:, 4:].contiguous().view(torch.int32)
+    )
+
+
 def test_generate_publishes_every_decoded_token(shm, tiny):
     inst = llmobs.instrument(tiny, model_id="tiny-gpt2")
     try:
