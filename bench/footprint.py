@@ -11,6 +11,14 @@ interval; with --until, rounds are added two at a time until every interval is a
   slowdown  SmolLM2 tokens/s with no agent, with the previous release's `attach` and with this one's
             (default profile, `--db` a fresh store: the issue's "default attach --db"; --no-store
             attaches without one), at 1 and 2 torch threads: ratios to no agent
+  peers     the issue's peer comparison, this tree only: SmolLM2 generating (greedy, --peer-tokens) and
+            running teacher-forced forward passes (--forward-passes of 81 tokens), at 1 and 2 torch
+            threads, with no tool (the workload without llmobs), under torch.profiler (CPU activities,
+            its stop() after the clock), instrumented alone and under llmobs (instrumented + the
+            default `attach --db`): tokens/s as ratios to no tool, and CPU ms per token of the workload
+            and of the agent. The steady state: each arm first runs its work --peer-warmup times over
+            outside the clock (4-8 s; the agent is attached through it, its governor's first decisions
+            come ~3 s after attach)
 
 The per-hit probe cost (bench/probes.py --only cost), the governor's measured-vs-budget table
 (bench/governor.py), the agent's CPU per token step by stage (bench/step_cost.py) and the 30-minute soak
@@ -38,17 +46,26 @@ from bench.runtime import REPO, arm, byte_compiled, ensure_baseline, otlp_collec
 
 PREVIOUS_RELEASE = "6bfae97"  # the worktree made when none is there (the tree before issue 14)
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
-FIGURES = ("rss", "attach", "otlp", "ingest", "slowdown")
+FIGURES = ("rss", "attach", "otlp", "ingest", "slowdown", "peers")
 BETTER = {"RSS idle MB": "lower", "RSS at rate MB": "lower", "RSS idle: anon MB": "lower",
           "RSS idle: file MB": "lower", "RSS at rate: anon MB": "lower", "RSS at rate: file MB": "lower",
           "agent CPU %": "lower", "first event s": "lower",
           "CPU ms/1k spans": "lower", "spans/s": "higher", "events/s": "higher", "events/CPU-s": "higher",
-          "tokens/s": "higher"}  # fmt: skip
+          "tokens/s": "higher", "workload CPU ms/token": "lower", "agent CPU ms/token": "lower"}  # fmt: skip
 SHOWN = {"rss": ["RSS idle MB", "RSS at rate MB", "RSS idle: anon MB", "RSS idle: file MB",
                  "RSS at rate: anon MB", "RSS at rate: file MB", "agent CPU %"],
          "attach": ["first event s"],
          "otlp": ["CPU ms/1k spans", "spans/s"], "ingest": ["events/s", "events/CPU-s"],
-         "slowdown": ["tokens/s"]}  # fmt: skip
+         "slowdown": ["tokens/s"],
+         "peers": ["tokens/s", "workload CPU ms/token", "agent CPU ms/token"]}  # fmt: skip
+# The peers figure's arms (bench/runtime_arm.py tokens): the workload alone, not instrumented; the peer a
+# user compares the agent with; the publisher alone (llmobs.instrument, no agent: its in-process share);
+# the agent as a user runs it (llmobs.instrument + `attach --db`)
+PEER_ARMS = {"no tool": {"instrument": False, "agent": False},
+             "torch.profiler": {"instrument": False, "agent": False, "torch_profiler": True},
+             "instrument only": {"agent": False},
+             "llmobs": {"db": True}}  # fmt: skip
+FORWARD_TOKENS = 81  # the issue's teacher-forced forward
 
 
 def tree_commit(tree: Path) -> str:
@@ -57,6 +74,22 @@ def tree_commit(tree: Path) -> str:
         ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
     return done.stdout.strip() or "?"
+
+
+def peers(report: Report, args: argparse.Namespace, imported: dict, rounds: dict) -> None:
+    """The peers figure: for each workload and thread count, no tool / torch.profiler / llmobs."""
+    for mode in ("generate", "forward"):
+        for threads in (1, 2):
+            if mode == "generate":
+                work = {"requests": 1, "tokens": args.peer_tokens}
+            else:
+                work = {"requests": args.forward_passes, "tokens": 1, "forward_tokens": FORWARD_TOKENS}
+            warmup = args.peer_warmup * work["requests"]
+            base = {"model": "smollm2", "mode": mode, "threads": threads, "warmup": warmup, **work}
+            arms = [arm(name, args.candidate, "tokens", {**base, **extra}, imported)
+                    for name, extra in PEER_ARMS.items()]  # fmt: skip
+            title = f"peers, {mode}, {threads} thread(s)"
+            report.compare(title, arms, baseline="no tool", better=BETTER, metrics=SHOWN["peers"], **rounds)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,12 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=24, help="slowdown: tokens per request")
     parser.add_argument("--requests", type=int, default=2, help="slowdown: requests per round")
     parser.add_argument("--no-store", action="store_true", help="slowdown: attach without --db")
+    parser.add_argument("--peer-tokens", type=int, default=64, help="peers: tokens generated per round")
+    parser.add_argument("--forward-passes", type=int, default=16, help="peers: forward passes per round")
+    parser.add_argument("--peer-warmup", type=int, default=2,
+                        help="peers: the measured work this many times over before the clock")  # fmt: skip
     add_json_option(parser)
     args = parser.parse_args(argv)
     only = selected_figures(parser, args.only, FIGURES)
-    if {"rss", "attach", "slowdown"} & set(only) and os.geteuid() != 0:
-        print("error: rss, attach and slowdown attach eBPF probes\nhint: run as root, or --only otlp,ingest",
-              file=sys.stderr)  # fmt: skip
+    if {"rss", "attach", "slowdown", "peers"} & set(only) and os.geteuid() != 0:
+        print("error: rss, attach, slowdown and peers attach eBPF probes\n"
+              "hint: run as root, or --only otlp,ingest", file=sys.stderr)  # fmt: skip
         return 4
     baseline = ensure_baseline(args.baseline or DEFAULT_BASELINE, PREVIOUS_RELEASE)
     trees = {"before": baseline, "after": args.candidate}
@@ -113,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                     arms += [arm(name, tree, "tokens", base, imported) for name, tree in trees.items()]
                     report.compare(f"slowdown, {threads} thread(s)", arms, baseline="none", better=BETTER,
                                    metrics=SHOWN[figure], **rounds)  # fmt: skip
+                continue
+            if figure == "peers":
+                peers(report, args, imported, rounds)
                 continue
             arms = [arm(name, tree, "rss" if figure == "rss" else figure, opts[figure], imported)
                     for name, tree in trees.items()]  # fmt: skip

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import llmobs
 
-from bench.ready_child import ReadyChild
+from bench.procstat import cpu_seconds
+from bench.ready_child import ReadyChild, read_line
 
 FIRST_EVENT = re.compile(r"first event ([\d.]+) s after the agent started")
 
@@ -160,23 +161,37 @@ def attach_latency(opts: dict) -> dict:
 def tokens(opts: dict) -> dict:
     """SmolLM2 generating --requests x --tokens while `attach --pid P` (default flags; with opts["db"],
     `--db` a fresh store, as the issue measures the default `attach --db`) is attached: the workload's
-    own tokens/s (from "go" to its last token)."""
+    own tokens/s (from "go" to its last token). Peer arms (bench/footprint.py's peers figure):
+    opts["mode"] "forward" (teacher-forced forward passes of opts["forward_tokens"]), opts["instrument"]
+    False (no llmobs in the workload: the no-tool arm), opts["torch_profiler"] (the workload under
+    torch.profiler) and opts["warmup"] (requests before the clock); with them, CPU per token: the
+    workload's own, and the agent's over the same span."""
     if opts.get("db") and opts.get("agent", True):
         with tempfile.TemporaryDirectory(prefix="llmobs-rt-tokens-") as tmp:
             flags = (*opts.get("flags", ()), "--db", f"{tmp}/t.duckdb")
             return tokens({**opts, "db": False, "flags": flags})
     tree = Path(opts["tree"])
-    threads = str(opts.get("threads", 1))
-    workload = Workload(tree, "--model", opts["model"], "--requests", str(opts["requests"]),
-                        "--max-new-tokens", str(opts["tokens"]), "--threads", threads)  # fmt: skip
-    agent = None
+    args = ["--model", opts["model"], "--requests", str(opts["requests"]), "--max-new-tokens",
+            str(opts["tokens"]), "--threads", str(opts.get("threads", 1))]  # fmt: skip
+    if opts.get("mode", "generate") != "generate":  # flags a tree before the peers figure does not have
+        args += ["--mode", opts["mode"], "--forward-tokens", str(opts["forward_tokens"])]
+    args += ["--warmup", str(opts["warmup"])] if opts.get("warmup") else []
+    args += ["--no-instrument"] if not opts.get("instrument", True) else []
+    args += ["--torch-profiler"] if opts.get("torch_profiler") else []
+    workload = Workload(tree, *args)
+    agent, agent_cpu = None, None
     try:
         if opts.get("agent", True):  # False: the workload alone, the no-agent arm of a slowdown
             agent = _attach(workload.pid, *opts.get("flags", ()))
             _wait_for(agent, b"attached in")
         workload.go()
+        if opts.get("warmup"):  # its "clock" line: the measured requests begin
+            read_line(workload.ready_r, 900, who="the workload's warm-up")
+        if agent is not None:
+            agent_cpu = cpu_seconds(agent.pid)
         summary = workload.finish()
         if agent is not None:
+            agent_cpu = cpu_seconds(agent.pid) - agent_cpu  # the span of the requests, not the detach
             agent.send_signal(signal.SIGINT)
             _, err = agent.communicate(timeout=300)
             if agent.returncode != 0:
@@ -186,7 +201,12 @@ def tokens(opts: dict) -> dict:
         if agent is not None and agent.poll() is None:
             agent.kill()
             agent.wait(timeout=30)
-    return {"tokens/s": summary["tokens_per_s"]}
+    figures = {"tokens/s": summary["tokens_per_s"]}
+    if "cpu_s" in summary:
+        figures["workload CPU ms/token"] = 1e3 * summary["cpu_s"] / summary["tokens"]
+    if agent_cpu is not None:
+        figures["agent CPU ms/token"] = 1e3 * agent_cpu / summary["tokens"]
+    return figures
 
 
 def resident(opts: dict) -> dict:

@@ -26,12 +26,22 @@ For the loss-anomaly detectors (tests/bpf/test_diag_detect_e2e.py, bench/anomaly
                       an allocation burst and page faults on the spike's forward pass)
   --spike-after N     the first N requests without spikes: a detector that learns the traffic's
                       normal (calibrated) sees clean traffic before the faults
-The last line on stdout is a JSON summary: pid, requests, tokens, seconds, tokens_per_s, map.
+For the peer benchmark (bench/footprint.py --only peers):
+  --mode forward      each request is one teacher-forced forward pass of --forward-tokens tokens
+                      (forward(labels=...): every target token is a published step) instead of generate()
+  --torch-profiler    the requests run under torch.profiler (CPU activities), the peer a user compares
+                      the agent with; the timing ends before the profiler's stop() (its trace processing)
+  --warmup N          N requests first, outside the clock and the summary's counts (a tool attached
+                      meanwhile sees them: its start-up and the workload's first-touch page faults);
+                      then a JSON line with "phase": "clock" (on --ready-file / --ready-fd)
+The last line on stdout is a JSON summary: pid, requests, tokens, seconds, tokens_per_s, cpu_s (this
+process's CPU over the same span), map.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -78,6 +88,33 @@ def generate_once(
     return ids, out
 
 
+def forward_input(tokenizer, tokens: int):
+    """One row of exactly `tokens` ids: the prompts' text repeated until it is that long."""
+    ids, _ = encode(tokenizer, [" ".join(PROMPTS)])
+    repeats = -(-tokens // ids.shape[1])
+    return ids.repeat(1, repeats)[:, :tokens]
+
+
+def forward_once(model, ids):
+    """A teacher-forced forward pass (labels = the input): what an evaluation or a scoring server runs."""
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=ids, labels=ids)
+
+
+def torch_profiler(enabled: bool):
+    """torch.profiler over the requests (CPU activities), started before the clock; the caller stops it
+    after taking the time, as a user would not count its trace processing as the workload's."""
+    if not enabled:
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU])
+    profiler.start()
+    return profiler
+
+
 def own_losses(ids, out) -> tuple[list[list[int]], list[list[float]]]:
     """(chosen tokens, their cross-entropy) per row, from generate()'s logits: the reference the
     published losses are checked against."""
@@ -100,6 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0 = torch default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-instrument", action="store_true", help="run without llmobs (a baseline)")
+    p.add_argument(
+        "--mode",
+        choices=("generate", "forward"),
+        default="generate",
+        help="forward: each request is one teacher-forced forward pass (forward(labels=...))",
+    )
+    p.add_argument("--forward-tokens", type=int, default=81, help="--mode forward: tokens per forward pass")
+    p.add_argument("--torch-profiler", action="store_true", help="the requests under torch.profiler (CPU)")
+    p.add_argument("--warmup", type=int, default=0, help="requests run first, before the clock starts")
     p.add_argument("--ready-file", help="write a JSON line here when ready and when done")
     p.add_argument("--ready-fd", type=int, help="write the JSON lines to this inherited fd")
     p.add_argument("--wait-stdin", action="store_true", help="after ready, wait for a line on stdin")
@@ -119,13 +165,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _request_context(tenant: str, session: str):
+    import llmobs
+
+    return llmobs.context(tenant=tenant, session=session)
+
+
 def _signal(args, phase: str, map_path: str, model: str) -> None:
     line = {"pid": os.getpid(), "map": map_path, "model": model, "phase": phase}
     announce(line, args.ready_file, args.ready_fd)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.mode == "forward" and (args.record or args.spike_steps or args.alloc_bytes or args.batch != 1):
+        parser.error("--mode forward runs one row per pass: --record, --spike-steps, --alloc-bytes and "
+                     "--batch are generate()'s")  # fmt: skip
+    if args.forward_tokens < 2:
+        parser.error("--forward-tokens: at least 2 (a forward pass with labels predicts tokens 2..N)")
     import torch
 
     if args.threads:
@@ -150,20 +208,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.wait_stdin:
         sys.stdin.readline()
     spikes = {int(s) for s in args.spike_steps.split(",") if s.strip()}
+    forward_ids = forward_input(tokenizer, args.forward_tokens) if args.mode == "forward" else None
+    profiler = torch_profiler(args.torch_profiler)
     tokens = 0
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     n = 0
     try:
-        while not stop["now"] and (args.requests == 0 or n < args.requests):
+        while not stop["now"] and (args.requests == 0 or n < args.warmup + args.requests):
             prompts = [PROMPTS[(n + i) % len(PROMPTS)] for i in range(args.batch)]
             session = args.session or f"session-{n}"
             tenants = args.tenant.split(",")
-            if args.no_instrument:
+            tenant = tenants[n % len(tenants)]
+            scope = contextlib.nullcontext() if args.no_instrument else _request_context(tenant, session)
+            if forward_ids is not None:
+                with scope:
+                    forward_once(model, forward_ids)
+            elif args.no_instrument:
                 generate_once(model, tokenizer, prompts, args.max_new_tokens)
             else:
-                import llmobs
-
-                with llmobs.context(tenant=tenants[n % len(tenants)], session=session):
+                with scope:
                     ids, out = generate_once(
                         model,
                         tokenizer,
@@ -176,21 +239,29 @@ def main(argv: list[str] | None = None) -> int:
                 if record:
                     chosen, losses = own_losses(ids, out)
                     allocs = phase.take() if phase else []
-                    line = {"request": n, "tenant": tenants[n % len(tenants)], "session": session,
+                    line = {"request": n, "tenant": tenant, "session": session,
                             "tokens": chosen, "losses": losses, "allocs": allocs}  # fmt: skip
                     record.write(json.dumps(line) + "\n")
                     record.flush()
-            tokens += args.max_new_tokens * args.batch
             n += 1
+            if n <= args.warmup:  # a warm-up request: not counted, the clock starts after it
+                started, cpu_started = time.perf_counter(), time.process_time()
+                if n == args.warmup:
+                    _signal(args, "clock", map_path, model_id)
+            else:
+                tokens += args.forward_tokens if forward_ids is not None else args.max_new_tokens * args.batch
     except KeyboardInterrupt:
         pass
-    seconds = time.perf_counter() - started
+    seconds, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
+    if profiler is not None:
+        profiler.stop()  # its trace processing: after the clock
     if record:
         record.close()
     _signal(args, "done", map_path, model_id)
     summary = {
-        "pid": os.getpid(), "model": model_id, "requests": n, "tokens": tokens, "seconds": round(seconds, 4),
-        "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0, "map": map_path,
+        "pid": os.getpid(), "model": model_id, "requests": max(n - args.warmup, 0), "tokens": tokens,
+        "seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+        "cpu_s": round(cpu_s, 4), "map": map_path,
     }  # fmt: skip
     print(json.dumps(summary), flush=True)
     if args.hold and not stop["now"]:
