@@ -71,18 +71,23 @@ def test_device_block_matches_independent_math():
     assert untargeted[:, 1].tolist() == logits.argmax(-1).tolist() and (untargeted[:, 2] == -1).all()
 
 
+@pytest.mark.parametrize("out_variant", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("targets", [None, [3, -100, 7, 49, 0, -100, 12], [3, 1, 7, 49, 0, 2, 12]])
-def test_device_block_in_cpu_chunks_equals_one_pass(monkeypatch, targets):
-    """Many rows on a CPU are computed a few rows at a time (device_math.CPU_CHUNK_BYTES): each row's
-    block is the one-pass block's, the rows in order, a short last chunk included."""
+def test_device_block_in_cpu_chunks_equals_one_pass(monkeypatch, targets, dtype, out_variant):
+    """Many rows on a CPU are computed a few rows at a time (device_math.CPU_CHUNK_BYTES) in buffers the
+    thread keeps: each row's block is the one-pass block's, the rows in order, a short last chunk
+    included, bf16 logits too, and where torch has no out= log_softmax."""
     from llmobs.publisher import device_math
 
+    monkeypatch.setattr(device_math, "_LOG_SOFTMAX_OUT", out_variant)
+
     torch.manual_seed(2)
-    logits = torch.randn(7, 50) * 3
+    logits = (torch.randn(7, 50) * 3).to(dtype)
     target = None if targets is None else torch.tensor(targets)
     tokens = torch.arange(7) + 100
     whole = device_block(logits, target, tokens)  # 1,400 bytes: one chunk
-    monkeypatch.setattr(device_math, "CPU_CHUNK_BYTES", 3 * 50 * 4)  # 3 rows a chunk: 3 + 3 + 1
+    monkeypatch.setattr(device_math, "CPU_CHUNK_BYTES", 3 * 50 * logits.element_size())  # 3 + 3 + 1 rows
     monkeypatch.setattr(device_math, "CPU_CHUNK_THREADS", 1)  # however many threads torch runs
     assert device_math._cpu_chunk_rows(logits) == 3
     chunked = device_block(logits, target, tokens)
@@ -92,6 +97,22 @@ def test_device_block_in_cpu_chunks_equals_one_pass(monkeypatch, targets):
     assert torch.equal(
         whole[:, 4:].contiguous().view(torch.int32), chunked[:, 4:].contiguous().view(torch.int32)
     )
+
+
+def test_cpu_chunk_buffers_follow_the_vocabulary(monkeypatch):
+    """The thread's chunk buffers are made again when a wider vocabulary needs more than they hold."""
+    from llmobs.publisher import device_math
+
+    monkeypatch.setattr(device_math, "CPU_CHUNK_THREADS", 1)
+    torch.manual_seed(3)
+    for vocab in (30, 90, 40):
+        logits, targets = torch.randn(5, vocab) * 3, torch.randint(0, vocab, (5,))
+        whole = device_block(logits, targets)
+        monkeypatch.setattr(device_math, "CPU_CHUNK_BYTES", 2 * vocab * 4)  # 2 + 2 + 1 rows
+        chunked = device_block(logits, targets)
+        monkeypatch.setattr(device_math, "CPU_CHUNK_BYTES", 1 << 20)
+        assert torch.allclose(whole[:, :4], chunked[:, :4], atol=1e-6)
+        assert torch.equal(*(block[:, 4:].contiguous().view(torch.int32) for block in (whole, chunked)))
 
 
 def test_generate_publishes_every_decoded_token(shm, tiny):

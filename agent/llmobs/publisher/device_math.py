@@ -11,22 +11,24 @@ usually cold in cache after the forward pass:
   entropy = -sum(exp(lp) * lp);  target_rank = #{lp > lp[t]} (counted as floats, exact below 2^24)
 
 On a CPU, many rows at once (a teacher-forced pass: one row per target position, 80 x 49,152 logits)
-are computed a few rows at a time (CPU_CHUNK_BYTES of logits): each pass above makes a temporary as big
-as its input, and at 16 MB apiece glibc maps and unmaps them on every call. Measured on SmolLM2's
-80-position pass: 15,296 page faults and 16.8 ms a call at 1 thread (8% of the forward pass it measures),
-19.9 ms at 2 threads; in chunks of ~1 MiB a thread, no fault, the passes over cache-hot rows, 7.0 /
-3.8 ms (the entropy's product in place, below, included).
+are computed a few rows at a time (CPU_CHUNK_BYTES of logits per intra-op thread) in two chunk buffers
+the thread keeps: each pass above makes a temporary as big as its input, and at 16 MB apiece glibc maps
+and unmaps them on every call. Measured on SmolLM2's 80-position pass, in situ (the publisher's hook
+CPU after each forward, the two versions alternating in one process; docs/governor.md): 15,296 page
+faults and 23.2 ms a call at 1 thread (10% of the pass), 13.7 ms at 2 threads; chunked, no fault, the
+passes over cache-hot rows, 7.5 / 4.5 ms (the entropy's product in place, below, included).
 """
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple
 
 import torch
 
 # Logits a CPU chunk holds per intra-op thread (torch splits each pass of a chunk between them): the
-# temporaries stay in each core's L2 (2 MiB here) and below the sizes glibc serves by mmap. SmolLM2's 80
-# rows, measured: 1 thread 7.0 ms at 1 MiB, 8.9 at 2 MiB; 2 threads 4.6 ms at 1 MiB a chunk, 3.8 at 2.
+# chunk's rows stay in each core's L2 (2 MiB here). SmolLM2's 80 rows, measured (temporaries per chunk,
+# before the kept buffers): 1 thread 7.0 ms at 1 MiB, 8.9 at 2 MiB; 2 threads 4.6 ms at 1 MiB, 3.8 at 2.
 CPU_CHUNK_BYTES = 1 << 20
 CPU_CHUNK_THREADS = 4  # a chunk grows with the threads up to this many (then past any L2 there is)
 
@@ -59,13 +61,13 @@ def device_block(
     """logits [N, V] (or prepare(logits)); targets [N] int (-100 or any negative = no target) or None;
     token_ids [N] or None (None: the target when there is one, else the arg-max). all_valid promises
     no ignored target (generate's chosen tokens), which saves a few ops. Returns float32 [N, 7]."""
+    tgt = None if targets is None else targets.view(-1, 1)
+    index = None if tgt is None else (tgt if all_valid else tgt.clamp(min=0))  # a gather index per row
+    want_argmax = targets is None and token_ids is None
     rows = _cpu_chunk_rows(logits)
-    if rows:
-        return torch.cat([
-            _block(logits[i : i + rows], _part(targets, i, rows), _part(token_ids, i, rows), all_valid)
-            for i in range(0, logits.shape[0], rows)
-        ])  # fmt: skip
-    return _block(logits, targets, token_ids, all_valid)
+    if not rows:
+        return _assemble(*_vocab_passes(logits, index, want_argmax), tgt, token_ids, all_valid)
+    return _assemble(*_cpu_chunked_passes(logits, index, want_argmax, rows), tgt, token_ids, all_valid)
 
 
 def _cpu_chunk_rows(logits) -> int:
@@ -77,24 +79,77 @@ def _cpu_chunk_rows(logits) -> int:
     return rows if logits.shape[0] > rows else 0
 
 
-def _part(column: torch.Tensor | None, start: int, rows: int) -> torch.Tensor | None:
-    return None if column is None else column.view(-1)[start : start + rows]
+def _cpu_chunked_passes(x: torch.Tensor, index, want_argmax: bool, rows: int):
+    """_vocab_passes over a CPU tensor `rows` rows at a time, every pass writing into the thread's two
+    chunk buffers and the [N, 1] columns: no allocation per chunk. (Per-chunk temporaries measured
+    6,522 page faults a call in one process and none in another: glibc's heap after small tensors
+    are held between large ones is not something to rely on.)"""
+    n = x.shape[0]
+    lp_all, work = _chunk_buffers(rows, x.shape[1])
+    top1, neg_entropy = torch.empty(n, 1), torch.empty(n, 1)
+    lpt, rank = (None, None) if index is None else (torch.empty(n, 1), torch.empty(n, 1))
+    for i in range(0, n, rows):
+        j = min(i + rows, n)
+        lp, tmp = lp_all[: j - i], work[: j - i]
+        chunk = x[i:j] if x.dtype == torch.float32 else tmp.copy_(x[i:j])  # bf16/fp16 logits: as float32
+        _log_softmax_into(chunk, lp)
+        torch.amax(lp, -1, keepdim=True, out=top1[i:j])
+        torch.sum(torch.exp(lp, out=tmp).mul_(lp), -1, keepdim=True, out=neg_entropy[i:j])
+        if index is None:
+            continue
+        torch.gather(lp, -1, index[i:j], out=lpt[i:j])
+        if bool((lpt[i:j] >= top1[i:j]).all()):
+            rank[i:j] = 0  # every target is a top token (greedy): no pass over V needed
+        else:
+            torch.sum(torch.sub(lp, lpt[i:j], out=tmp).gt_(0), -1, keepdim=True, out=rank[i:j])
+    return top1, neg_entropy, lpt, rank, x.argmax(-1, keepdim=True) if want_argmax else None
 
 
-def _block(logits, targets, token_ids, all_valid: bool) -> torch.Tensor:
-    x, lp, top1, neg_entropy = logits if isinstance(logits, Prepared) else prepare(logits)
-    if targets is None:
-        nan = torch.full_like(top1, float("nan"))
-        floats = torch.cat([nan, neg_entropy.neg(), nan, top1.exp()], -1)
-        rank = target32 = torch.full_like(top1, -1, dtype=torch.int32)
-        tokens = x.argmax(-1, keepdim=True) if token_ids is None else token_ids.view(-1, 1)
+def _log_softmax_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """log_softmax(x, -1) written into `out`: through aten's out= variant where this torch has it (the
+    kernel torch.log_softmax runs), else computed and copied (one temporary)."""
+    if _LOG_SOFTMAX_OUT:
+        torch._log_softmax(x, -1, False, out=out)
     else:
-        tgt = targets.view(-1, 1)
-        lpt = lp.gather(-1, tgt if all_valid else tgt.clamp(min=0))
+        out.copy_(torch.log_softmax(x, -1))
+
+
+_LOG_SOFTMAX_OUT = hasattr(torch, "_log_softmax")
+_buffers = threading.local()  # per thread: a server's threads may each publish at once
+
+
+def _chunk_buffers(rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's two float32 [rows, vocab] chunk buffers (at most 2 x CPU_CHUNK_BYTES x
+    CPU_CHUNK_THREADS bytes, kept for the next call: fresh ones would be faulted in every time)."""
+    held = getattr(_buffers, "pair", None)
+    if held is None or held[0].numel() < rows * vocab:
+        held = (torch.empty(rows * vocab), torch.empty(rows * vocab))
+        _buffers.pair = held
+    return held[0][: rows * vocab].view(rows, vocab), held[1][: rows * vocab].view(rows, vocab)
+
+
+def _vocab_passes(logits, index, want_argmax: bool):
+    """The passes over the vocabulary: (top1, neg_entropy, lpt, rank, argmax), each [N, 1] or None.
+    index: [N, 1] gather indices (targets clamped to >= 0), or None without targets."""
+    x, lp, top1, neg_entropy = logits if isinstance(logits, Prepared) else prepare(logits)
+    lpt = rank = None
+    if index is not None:
+        lpt = lp.gather(-1, index)
         if not x.is_cuda and bool((lpt >= top1).all()):
             rank = torch.zeros_like(top1)  # every target is a top token (greedy): no pass over V needed
         else:  # (on CUDA never branch on device values: that would be a host sync)
             rank = torch.sub(lp, lpt).gt_(0).sum(-1, keepdim=True)
+    return top1, neg_entropy, lpt, rank, x.argmax(-1, keepdim=True) if want_argmax else None
+
+
+def _assemble(top1, neg_entropy, lpt, rank, argmax, tgt, token_ids, all_valid: bool) -> torch.Tensor:
+    """The [N, 7] block from the per-row columns the passes gave."""
+    if tgt is None:
+        nan = torch.full_like(top1, float("nan"))
+        floats = torch.cat([nan, neg_entropy.neg(), nan, top1.exp()], -1)
+        rank = target32 = torch.full_like(top1, -1, dtype=torch.int32)
+        tokens = argmax if token_ids is None else token_ids.view(-1, 1)
+    else:
         target32 = tgt
         if not all_valid:
             valid = tgt >= 0
