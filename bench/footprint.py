@@ -77,7 +77,8 @@ def tree_commit(tree: Path) -> str:
 
 
 def peers(report: Report, args: argparse.Namespace, imported: dict, rounds: dict) -> None:
-    """The peers figure: for each workload and thread count, no tool / torch.profiler / llmobs."""
+    """The peers figure: for each workload and thread count, no tool / torch.profiler / instrument only /
+    llmobs (instrument + attach --db), interleaved."""
     for mode in ("generate", "forward"):
         for threads in (1, 2):
             if mode == "generate":
