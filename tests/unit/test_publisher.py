@@ -115,6 +115,33 @@ def test_cpu_chunk_buffers_follow_the_vocabulary(monkeypatch):
         assert torch.equal(*(block[:, 4:].contiguous().view(torch.int32) for block in (whole, chunked)))
 
 
+def test_prepare_in_cpu_chunks_lends_and_takes_back_its_buffers(monkeypatch):
+    """prepare() of many rows on a CPU (a serving pass) computes in chunks into a buffer of the thread's
+    pool: its blocks equal the one-pass ones, two Prepareds in flight never share a buffer, and a buffer
+    device_block has used is lent again."""
+    from llmobs.publisher import device_math
+
+    torch.manual_seed(4)
+    xs = [torch.randn(7, 50) * 3 for _ in range(3)]
+    targets = [torch.randint(0, 50, (7,)) for _ in range(3)]
+    expected = [device_block(device_math.prepare(x), t) for x, t in zip(xs, targets, strict=True)]
+    monkeypatch.setattr(device_math, "CPU_CHUNK_THREADS", 1)
+    monkeypatch.setattr(device_math, "CPU_CHUNK_BYTES", 3 * 50 * 4)  # 3 + 3 + 1 rows
+    monkeypatch.setattr(device_math, "POOL_MIN_BYTES", 0)
+
+    def same(got, want) -> bool:
+        ints = [block[:, 4:].contiguous().view(torch.int32) for block in (got, want)]
+        return torch.allclose(got[:, :4], want[:, :4], atol=1e-6) and torch.equal(*ints)
+
+    first, second = device_math.prepare(xs[0]), device_math.prepare(xs[1])  # two passes in flight
+    assert first.lp.data_ptr() != second.lp.data_ptr()
+    assert same(device_block(first, targets[0]), expected[0])
+    third = device_math.prepare(xs[2])
+    assert third.lp.data_ptr() == first.lp.data_ptr()  # the used buffer, lent again
+    assert same(device_block(second, targets[1]), expected[1])  # not overwritten by the third
+    assert same(device_block(third, targets[2]), expected[2])
+
+
 def test_generate_publishes_every_decoded_token(shm, tiny):
     inst = llmobs.instrument(tiny, model_id="tiny-gpt2")
     try:
