@@ -14,7 +14,7 @@ On a CPU, many rows at once (a teacher-forced pass: one row per target position,
 are computed a few rows at a time (CPU_CHUNK_BYTES of logits per intra-op thread) in two chunk buffers
 the thread keeps: each pass above makes a temporary as big as its input, and at 16 MB apiece glibc maps
 and unmaps them on every call. Measured on SmolLM2's 80-position pass, in situ (the publisher's hook
-CPU after each forward, the two versions alternating in one process; docs/governor.md): 15,296 page
+CPU after each forward, the two versions alternating in one process: bench/device_math.py): 15,296 page
 faults and 23.2 ms a call at 1 thread (10% of the pass), 13.7 ms at 2 threads; chunked, no fault, the
 passes over cache-hot rows, 7.5 / 4.5 ms (the entropy's product in place, below, included).
 """
@@ -145,7 +145,8 @@ def _cpu_chunked_prepare(x: torch.Tensor, rows: int) -> Prepared:
 POOL_FREE = 1
 MAX_LENT = 2
 # From this size on (glibc's default mmap threshold) a pass's temporaries are pages faulted in afresh on
-# every call: a serving pass of 8 rows of a 49k vocabulary made 630-736 faults a call.
+# every call: a serving pass of 8 rows of a 49k vocabulary made 630-736 faults a call in a fresh process
+# (none in one whose heap had grown, as a server's has: there it gains 0.82-1.03x, bench/device_math).
 POOL_MIN_BYTES = 128 << 10
 _buffers = threading.local()  # per thread: a server's threads may each publish at once
 
