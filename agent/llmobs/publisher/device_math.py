@@ -99,9 +99,7 @@ def _cpu_chunked_passes(x: torch.Tensor, index, want_argmax: bool, rows: int):
         j = min(i + rows, n)
         lp, tmp = lp_all[: j - i], work[: j - i]
         chunk = x[i:j] if x.dtype == torch.float32 else tmp.copy_(x[i:j])  # bf16/fp16 logits: as float32
-        _log_softmax_into(chunk, lp)
-        torch.amax(lp, -1, keepdim=True, out=top1[i:j])
-        torch.sum(torch.exp(lp, out=tmp).mul_(lp), -1, keepdim=True, out=neg_entropy[i:j])
+        _chunk_stats(chunk, lp, tmp, top1[i:j], neg_entropy[i:j])
         if index is None:
             continue
         torch.gather(lp, -1, index[i:j], out=lpt[i:j])
@@ -131,10 +129,16 @@ def _cpu_chunked_prepare(x: torch.Tensor, rows: int) -> Prepared:
     _, work = _chunk_buffers(rows, vocab)
     for i in range(0, n, rows):
         j = min(i + rows, n)
-        _log_softmax_into(x[i:j], lp[i:j])
-        torch.amax(lp[i:j], -1, keepdim=True, out=top1[i:j])
-        torch.sum(torch.exp(lp[i:j], out=work[: j - i]).mul_(lp[i:j]), -1, keepdim=True, out=neg_entropy[i:j])
+        _chunk_stats(x[i:j], lp[i:j], work[: j - i], top1[i:j], neg_entropy[i:j])
     return Prepared(x, lp, top1, neg_entropy)
+
+
+def _chunk_stats(x, lp, work, top1, neg_entropy) -> None:
+    """One chunk's target-free passes, every one written into the given buffers: lp = log_softmax(x),
+    top1 = max lp, neg_entropy = sum(exp(lp) * lp) (`work` holds the product; it may be x itself)."""
+    _log_softmax_into(x, lp)
+    torch.amax(lp, -1, keepdim=True, out=top1)
+    torch.sum(torch.exp(lp, out=work).mul_(lp), -1, keepdim=True, out=neg_entropy)
 
 
 # Log-softmax buffers a thread's prepare() lends (a Prepared holds its rows until its tokens are chosen,
