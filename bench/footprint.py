@@ -11,14 +11,15 @@ interval; with --until, rounds are added two at a time until every interval is a
   slowdown  SmolLM2 tokens/s with no agent, with the previous release's `attach` and with this one's
             (default profile, `--db` a fresh store: the issue's "default attach --db"; --no-store
             attaches without one), at 1 and 2 torch threads: ratios to no agent
-  peers     the issue's peer comparison, this tree only: SmolLM2 generating (greedy, --peer-tokens) and
+  peers     the issue's peer comparison, on this tree: SmolLM2 generating (greedy, --peer-tokens) and
             running teacher-forced forward passes (--forward-passes of 81 tokens), at 1 and 2 torch
             threads, with no tool (the workload without llmobs), under torch.profiler (CPU activities,
             its stop() after the clock), instrumented alone and under llmobs (instrumented + the
             default `attach --db`): tokens/s as ratios to no tool, and CPU ms per token of the workload
             and of the agent. The steady state: each arm first runs its work --peer-warmup times over
             outside the clock (4-8 s; the agent is attached through it, its governor's first decisions
-            come ~3 s after attach)
+            come ~3 s after attach). --peer-modes / --peer-threads narrow it; --peer-before TREE adds
+            that tree's agent as "llmobs before"
 
 The per-hit probe cost (bench/probes.py --only cost), the governor's measured-vs-budget table
 (bench/governor.py), the agent's CPU per token step by stage (bench/step_cost.py) and the 30-minute soak
@@ -79,8 +80,8 @@ def tree_commit(tree: Path) -> str:
 def peers(report: Report, args: argparse.Namespace, imported: dict, rounds: dict) -> None:
     """The peers figure: for each workload and thread count, no tool / torch.profiler / instrument only /
     llmobs (instrument + attach --db), interleaved."""
-    for mode in ("generate", "forward"):
-        for threads in (1, 2):
+    for mode in _listed(args.peer_modes, ("generate", "forward"), "--peer-modes"):
+        for threads in (int(n) for n in _listed(args.peer_threads, ("1", "2"), "--peer-threads")):
             if mode == "generate":
                 work = {"requests": 1, "tokens": args.peer_tokens}
             else:
@@ -89,8 +90,19 @@ def peers(report: Report, args: argparse.Namespace, imported: dict, rounds: dict
             base = {"model": "smollm2", "mode": mode, "threads": threads, "warmup": warmup, **work}
             arms = [arm(name, args.candidate, "tokens", {**base, **extra}, imported)
                     for name, extra in PEER_ARMS.items()]  # fmt: skip
+            if args.peer_before:  # the agent of another tree (the previous commit) beside this one's
+                arms.append(arm("llmobs before", args.peer_before, "tokens", {**base, "db": True}, imported))
             title = f"peers, {mode}, {threads} thread(s)"
             report.compare(title, arms, baseline="no tool", better=BETTER, metrics=SHOWN["peers"], **rounds)
+
+
+def _listed(text: str, allowed: tuple[str, ...], option: str) -> list[str]:
+    """A comma-separated choice among `allowed`, in the order given; SystemExit names a bad one."""
+    chosen = [item.strip() for item in text.split(",") if item.strip()]
+    bad = [item for item in chosen if item not in allowed]
+    if bad or not chosen:
+        raise SystemExit(f"error: {option} takes {', '.join(allowed)}, not {text!r}")
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-store", action="store_true", help="slowdown: attach without --db")
     parser.add_argument("--peer-tokens", type=int, default=64, help="peers: tokens generated per round")
     parser.add_argument("--forward-passes", type=int, default=16, help="peers: forward passes per round")
+    parser.add_argument("--peer-modes", default="generate,forward", help="peers: the workloads measured")
+    parser.add_argument("--peer-threads", default="1,2", help="peers: the torch thread counts measured")
+    parser.add_argument("--peer-before", type=Path,
+                        help="peers: also an 'llmobs before' arm, the agent of this tree (a worktree of "
+                             "an earlier commit, built): this tree's change, ratio to ratio")  # fmt: skip
     parser.add_argument("--peer-warmup", type=int, default=2,
                         help="peers: the measured work this many times over before the clock")  # fmt: skip
     add_json_option(parser)

@@ -1,9 +1,10 @@
 """Benchmarks of the eBPF probe layer, each printed as ratios measured side by side in one run.
 
   cost      per-hit cost of each llmobs probe where it sits, as a ratio against an empty probe of the
-            same kind (uprobe, uprobe+uretprobe, tracepoint) on the same function in the same run;
-            plus sgemm_ at +0 (endbr64, single-stepped) vs +4 (push, emulated) to show why placement
-            matters. Rounds are interleaved: none / empty / llmobs, repeated, medians compared.
+            same kind (uprobe, uprobe+uretprobe, tracepoint) on the same function in the same run,
+            the target mid-step (tagged hits); the thinned probes also with --thin 1; plus sgemm_ at
+            +0 (endbr64, single-stepped) vs +4 (push, emulated) to show why placement matters.
+            Rounds are interleaved: none / empty / llmobs, repeated, medians compared.
   ingest    ring-buffer decode rate on one core (ring -> numpy, and -> Arrow columns as stored) from a
             tracepoint flood (a C loop of ioctl(2) on /dev/null), and whether drops appear at the
             flood's rate with the agent's 20 ms drain.
@@ -47,13 +48,19 @@ AGENT = [sys.executable, "-m", "llmobs.cli", "attach"]
 # the target processes (this script re-run with --target / --workload-target)
 # ---------------------------------------------------------------------------------------------------------
 def run_target() -> int:
-    """Loops of known calls, timed inside the target: `KIND N` -> ns per iteration."""
+    """Loops of known calls, timed inside the target: `KIND N` -> ns per iteration. The target is mid-step
+    (its map's context cell holds a step), so every hit is tagged and reads the cell, as a workload's
+    hits inside a forward pass do (before session 18 the cost rows were of untagged hits: no cell)."""
     import fcntl
     import mmap
     import termios
 
     import torch
     import torch.nn.functional as F
+    from llmobs.shm.writer import ShmWriter
+
+    writer = ShmWriter()  # /dev/shm/llmobs.<pid>: the cell the program reads
+    writer.begin_step(0x1234, 0x5678, 0, 0)
 
     torch.set_num_threads(1)
     w = torch.randn(8, 8)
@@ -89,6 +96,7 @@ def run_target() -> int:
             for _ in range(int(n)):
                 fn()
             print((time.perf_counter_ns() - began) / int(n), flush=True)
+    writer.close()
     return 0
 
 
@@ -216,6 +224,7 @@ def _bench_cost(rounds: int, report: Report) -> None:
     from llmobs.bpf.libraries import ResolvedProbe, mapped_libraries, resolve
     from llmobs.bpf.profiles import PROBES, probes_of
     from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
+    from llmobs.bpf.records import DEFAULT_THIN
     from llmobs.bpf.ringbuf import RingConsumer
     from llmobs.bpf.session import find_context_cell
     from llmobs.procfs import ProcFS
@@ -317,10 +326,14 @@ def _bench_cost(rounds: int, report: Report) -> None:
 
     rows = []
     for sample_n in (1, 16):
-        program.set_sampling(sample_n, "cpu")
+        program.set_sampling(sample_n, "cpu", DEFAULT_THIN)
         for case in cases:
             rows.append((sample_n, _measure(case, target, rounds, ring, report)))
-    program.set_sampling(1, "cpu")
+    program.set_sampling(1, "cpu", 1)  # the thinned probes shipping every event, as before --thin
+    for case in (cases[0], cases[-2]):
+        unthinned = {**case, "label": f"{case['label']} (thin 1)"}
+        rows.append((1, _measure(unthinned, target, rounds, ring, report)))
+    program.set_sampling(1, "cpu", DEFAULT_THIN)
     for case, name in ((cases[0], "linear"), (cases[-2], "page_fault_user"), (cases[-1], "ioctl")):
         rows.append((1, _measure(switched_off(case, name), target, rounds, ring, report)))
     report.note("per hit = (median ns/it of the arm - median of none) / hits; wall = llmobs / empty per hit;")

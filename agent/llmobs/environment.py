@@ -118,6 +118,12 @@ LLMOBS_SAMPLE_MODE = "LLMOBS_SAMPLE_MODE"
 Default: trace. Read by: the daemon's settings.
 """
 
+LLMOBS_THIN = "LLMOBS_THIN"
+"""probes.thin: linear and page_fault_user ship 1 in N of a step's events (per-step counts stay exact).
+
+Default: 64. Read by: the daemon's settings.
+"""
+
 LLMOBS_IOCTL_PATHS = "LLMOBS_IOCTL_PATHS"
 """probes.ioctl_paths: the device files whose ioctls the host profile times.
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmobs import environment
+from llmobs.bpf.records import DEFAULT_THIN
 from llmobs.diagnostics.detectors import (
     AGENT_DETECTOR,
     DEFAULT_ALARM_RATE,
@@ -303,6 +304,18 @@ SETTINGS: tuple[Setting, ...] = (
         "trace: keep a request whole; cpu: per-CPU counter hash",
         metavar="MODE",
         flag_help="trace or cpu",
+    ),
+    Setting(
+        "probes.thin",
+        "thin",
+        DEFAULT_THIN,
+        environment.LLMOBS_THIN,
+        "--thin",
+        _int_between(1, 1 << 30),
+        "an integer >= 1",
+        "linear and page_fault_user ship 1 in N of a step's events (per-step counts stay exact); 1: all",
+        metavar="N",
+        flag_help="ship 1 in N of a step's linear and page-fault events",
     ),
     Setting(
         "probes.ioctl_paths",

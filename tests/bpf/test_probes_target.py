@@ -4,12 +4,13 @@ A real PyTorch process that publishes its context cell through the workload's ow
 (llmobs.shm.writer: /dev/shm/llmobs.<pid>, the cell at LLMOBS_CTX_OFFSET) and, on command from
 stdin, runs a phase whose calls are known by construction (STEP_SEQ must count 1, 2, ...):
 
-    step STEP_SEQ TRACE_HEX ALLOCS NBYTES GEMMS IOCTLS  -> "done"   (one token step's work)
+    step STEP_SEQ TRACE_HEX ALLOCS NBYTES GEMMS IOCTLS PAGES  -> "done"   (one token step's work)
     cuda STEP_SEQ TRACE_HEX LAUNCHES ALLOC_BYTES SYNCS  -> "done"   (calls into --cuda-lib LIB)
     exit                                                -> exits 0
 
 ALLOCS torch.empty(NBYTES, uint8) tensors (one c10::alloc_cpu each, freed at the end of the step by
-one free_cpu each), GEMMS F.linear calls (one sgemm_ each), IOCTLS ioctl(2) calls on /dev/null.
+one free_cpu each), GEMMS F.linear calls (one sgemm_ each), IOCTLS ioctl(2) calls on /dev/null,
+PAGES pages of a fresh anonymous mapping written once each (one user page fault each).
 It prints "ready <cell address>" once set up.
 
 The tests import `Target` (drives this script) and `leftovers` (what probes remain in the kernel).
@@ -21,6 +22,7 @@ import contextlib
 import ctypes
 import fcntl
 import json
+import mmap
 import os
 import select
 import struct
@@ -75,9 +77,10 @@ class Target:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode()
 
-    def step(self, step_seq: int, trace_hex: str, allocs=0, nbytes=64, gemms=0, ioctls=0) -> None:
+    def step(self, step_seq: int, trace_hex: str, allocs=0, nbytes=64, gemms=0, ioctls=0, pages=0) -> None:
         """One token step with exactly these calls; returns once the target has done them."""
-        self.proc.stdin.write(f"step {step_seq} {trace_hex} {allocs} {nbytes} {gemms} {ioctls}\n".encode())
+        line = f"step {step_seq} {trace_hex} {allocs} {nbytes} {gemms} {ioctls} {pages}\n"
+        self.proc.stdin.write(line.encode())
         self.proc.stdin.flush()
         assert self.readline() == "done"
 
@@ -182,7 +185,7 @@ def main() -> int:
                     cuda.cuStreamSynchronize(None)
                 print("done", flush=True)
                 continue
-            allocs, nbytes, gemms, ioctls = (int(v) for v in parts[3:7])
+            allocs, nbytes, gemms, ioctls, pages = (int(v) for v in parts[3:8])
             with torch.no_grad():
                 held = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(allocs)]
                 for _ in range(gemms):
@@ -191,6 +194,10 @@ def main() -> int:
             for _ in range(ioctls):
                 with contextlib.suppress(OSError):
                     fcntl.ioctl(null_fd, termios.FIONREAD, b"\0\0\0\0")
+            if pages:
+                with mmap.mmap(-1, pages * mmap.PAGESIZE) as memory:
+                    for offset in range(0, pages * mmap.PAGESIZE, mmap.PAGESIZE):
+                        memory[offset] = 1
             print("done", flush=True)
     finally:
         if cell:

@@ -76,3 +76,19 @@ def test_trace_kept_fraction():
 def test_trace_hex():
     out = trace_hex([0, 0x0123456789ABCDEF, 0], [0, 1, 5])
     assert list(out) == ["", "0123456789abcdef0000000000000001", "00000000000000000000000000000005"]
+
+
+def test_thinning_matches():
+    """llmobs_config holds what ProbeProgram.set_sampling packs (sample_n, mode, thin), and THINNED_PROBES
+    are exactly the programs that record with thinning on (llmobs_point_as(..., 1))."""
+    from llmobs.bpf.program import _CONFIG
+    from llmobs.bpf.records import THINNED_PROBES
+
+    assert [name for name, _ in _c_struct("llmobs_config")] == ["sample_n", "mode", "thin"]
+    assert _CONFIG.format == "<QQQ" and all(size == 8 for _, size in _c_struct("llmobs_config"))
+    thinning = {
+        path.name.removesuffix(".bpf.c")
+        for path in BPF_DIR.glob("*.bpf.c")
+        if re.search(r"llmobs_point_as\([^;]*, 1\);", path.read_text())
+    }
+    assert thinning == set(THINNED_PROBES)

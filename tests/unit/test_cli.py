@@ -142,6 +142,7 @@ def test_run_flags_are_generated_from_the_settings_table(capsys) -> None:
         "--profile",
         "--sample",
         "--sample-mode",
+        "--thin",
         "--user",
         "--cgroup",
         "--command",
@@ -160,7 +161,7 @@ def test_run_flags_are_generated_from_the_settings_table(capsys) -> None:
         "--replay-max-per-minute",
         "--otlp",
         "--otlp-protocol",
-    ]  # fmt: skip  (the flags `run` had before they were generated, and the detector.*, replay.* keys')
+    ]  # fmt: skip  (the flags `run` had before they were generated, the detector.*, replay.* keys', --thin)
     for setting in SETTINGS:
         if setting.flag:  # a boolean's value is optional: `--replay-on-anomaly [BOOL]`
             value = f"[{setting.metavar}]" if setting.metavar == "BOOL" else setting.metavar

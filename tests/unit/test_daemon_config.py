@@ -89,6 +89,7 @@ BAD_VALUES = {
     "probes.profiles": ["cpu", "gpu-magic"],
     "probes.sample_n": 0,
     "probes.sample_mode": "random",
+    "probes.thin": 0,
     "probes.ioctl_paths": 12,
     "select.users": ["no-such-user-llmobs"],
     "select.cgroup": ["not", "a", "string"],

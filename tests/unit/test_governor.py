@@ -241,7 +241,9 @@ def test_code_image_places_the_functions_and_the_loop() -> None:
     handler_at = calibrate._slot_offset(calibrate.FIRST_HANDLER_SLOT + 1)
     assert image[handler_at : handler_at + 1] == b"\x55"  # push %rbp: emulated
     assert image[calibrate.DATA_OFFSET : calibrate.DATA_OFFSET + 4] == b"\x01\0\0\0"
-    assert image[calibrate.CELL_OFFSET : calibrate.CELL_OFFSET + 32] == bytes(32)  # seq 0: not mid-update
+    cell = image[calibrate.CELL_OFFSET : calibrate.CELL_OFFSET + 32]
+    assert cell[:24] == bytes(24)  # seq 0: not mid-update; trace 0
+    assert int.from_bytes(cell[24:32], "little") == calibrate.CELL_STEP != 0  # mid-step: tagged hits
 
 
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")

@@ -178,7 +178,7 @@ class TracepointSession(SyntheticSession):
 
 
 def test_tracepoints_are_shed_by_their_switch_word_shared_by_the_programs_targets() -> None:
-    """page faults at 50k/s x 420 ns = 2.1%: over a 1% budget, switched off in the program; a second
+    """page faults at 50k/s x 250 ns = 1.25%: over a 1% budget, switched off in the program; a second
     target of the same program that sheds it too keeps it off until both have restored it."""
     program = FakeProgram()
     a = TracepointSession({"page_fault_user": 50_000.0, "sched_switch": 100.0}, program, pid=11)

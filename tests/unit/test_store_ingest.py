@@ -193,3 +193,18 @@ def test_a_record_layout_the_c_decoder_does_not_read_falls_back_to_numpy():
         EventDecoder(NAMES, dtype=moved, backend="c")
     with pytest.raises(ValueError, match="backend"):
         EventDecoder(NAMES, backend="rust")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_thinned_probes_tagged_events_stand_for_thin_events_each(backend):
+    """probes.thin: the kernel ships 1 in `thin` of page_fault_user's and linear's tagged events, so each of
+    those carries sample_ratio x thin; their untagged events (all shipped) and other probes keep
+    sample_ratio; with thin 1 nothing changes."""
+    fault, linear, sgemm = NAMES.index("page_fault_user"), NAMES.index("linear"), NAMES.index("sgemm")
+    records = _records(8, seed=9, kinds=2)
+    records["probe"] = [fault, fault, fault, linear, linear, sgemm, sgemm, fault]
+    records["step_seq"] = [5, 0, 6, 5, 0, 7, 0, 0]
+    for thin in (64, 5, 1):
+        decoded = EventDecoder(NAMES, sample_ratio=3, backend=backend, thin=thin).decode(records)
+        for table in (decoded["host_events"], events_table(records, 3, thin)):
+            assert table.column("sample_ratio").to_pylist() == [3 * thin, 3, 3 * thin, 3 * thin, 3, 3, 3, 3]

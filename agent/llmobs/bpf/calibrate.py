@@ -52,7 +52,10 @@ _EMULATED = bytes.fromhex("554889e531c05dc3")  # push %rbp first: emulated by th
 _STEPPED = bytes.fromhex("f30f1efa") + _EMULATED  # endbr64 first: single-stepped
 SLOT_BYTES = 64  # each function at its own offset: one uprobe per (file, offset)
 DATA_OFFSET = 4096 - 64  # the int the argument registers point at
-CELL_OFFSET = 4096 - 192  # a zeroed context cell (seq 0, trace 0, step 0) the handlers read as a target's
+# A context cell (seq 0, trace 0, step CELL_STEP) the handlers read as a target's: a step, so the hits are
+# tagged as a workload's are inside a forward pass, and a thinned probe (probes.thin) is measured thinned
+CELL_OFFSET = 4096 - 192
+CELL_STEP = 1
 FILE_BYTES = 4096
 MAX_HANDLER_SLOTS = 16
 
@@ -134,6 +137,7 @@ def code_image(handler_slots: int) -> bytes:
         image[base : base + len(code)] = code
     image[DATA_OFFSET : DATA_OFFSET + 8] = struct.pack("<q", 1)
     image[CELL_OFFSET : CELL_OFFSET + 64] = bytes(64)
+    image[CELL_OFFSET + 24 : CELL_OFFSET + 32] = struct.pack("<Q", CELL_STEP)  # llmobs_ctx_cell.step_seq
     return bytes(image)
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from llmobs.bpf.profiles import PROBES
-from llmobs.bpf.records import KINDS, trace_runs
+from llmobs.bpf.records import KINDS, sample_ratios, thinned_ids, trace_runs
 from llmobs.dataflow import SinkResult
 
 if TYPE_CHECKING:
@@ -60,6 +60,11 @@ def _arrow():
     return pa, pc, schema, probes, pa.array([*KINDS, "unknown"], pa.string())
 
 
+@lru_cache(maxsize=1)
+def _thinned() -> np.ndarray:
+    return thinned_ids(probe.name for probe in PROBES)
+
+
 def __getattr__(name: str):
     if name == "EVENT_SCHEMA":  # the old module constant, built on first use
         return _arrow()[2]
@@ -73,11 +78,12 @@ def companion_paths(out: str | Path) -> tuple[Path, Path, Path]:
     return events, Path(f"{stem}.aggregates.parquet"), Path(f"{stem}.summary.json")
 
 
-def events_table(events: np.ndarray, sample_ratio: int) -> pa.Table:
+def events_table(events: np.ndarray, sample_ratio: int, thin: int = 1) -> pa.Table:
     """Decoded columns of a batch, all built by numpy / Arrow kernels: names via `take` on the probe
     and kind codes, trace ids formatted once per run of equal ids."""
     pa, pc, schema, probe_names, kind_names = _arrow()
     texts, runs = trace_runs(events["trace_id_hi"], events["trace_id_lo"])
+    ratios = sample_ratios(events["probe"], events["step_seq"], sample_ratio, thin, _thinned(), "u4")
     return pa.table(
         [
             pa.array(events["pid"]),
@@ -90,7 +96,7 @@ def events_table(events: np.ndarray, sample_ratio: int) -> pa.Table:
             pc.take(pa.array(texts, pa.string()), pa.array(runs)),
             pa.array(events["value"]),
             pa.array(events["duration_ns"]),
-            pa.array(np.full(len(events), sample_ratio, dtype=np.uint32)),
+            pa.array(ratios),
         ],
         schema=schema,
     )
@@ -118,9 +124,10 @@ class ParquetEventWriter:
 
     name = "parquet"
 
-    def __init__(self, path: str | Path, sample_ratio: int, max_batches: int = 256):
+    def __init__(self, path: str | Path, sample_ratio: int, max_batches: int = 256, thin: int = 1):
         self.path = Path(path)
         self.sample_ratio = sample_ratio
+        self.thin = thin  # probes.thin of the program whose events these are
         self.dropped = 0
         self.written = 0
         self.error: str | None = None
@@ -160,7 +167,7 @@ class ParquetEventWriter:
 
     def _flush(self, pending: list[np.ndarray], rows: int) -> None:
         try:
-            self._writer.write_table(events_table(np.concatenate(pending), self.sample_ratio))
+            self._writer.write_table(events_table(np.concatenate(pending), self.sample_ratio, self.thin))
             self.written += rows
         except Exception as exc:  # a sink never raises into the pipeline; counted instead
             self.error = str(exc)

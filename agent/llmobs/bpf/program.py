@@ -163,8 +163,10 @@ class ProbeProgram:
         """BPF function name -> kernel program id (what bpftool shows)."""
         return {name: syscall.prog_id(fd) for name, fd in self._loaded.prog_fds.items()}
 
-    def set_sampling(self, sample_n: int, mode: str) -> None:
-        self._map("llmobs_config").update(_U32.pack(0), _CONFIG.pack(max(sample_n, 1), SAMPLE_MODES[mode]))
+    def set_sampling(self, sample_n: int, mode: str, thin: int = 1) -> None:
+        """The 1/N sampler (sample_n, mode) and the thinned probes' 1 in `thin` (llmobs_config)."""
+        config = _CONFIG.pack(max(sample_n, 1), SAMPLE_MODES[mode], max(thin, 1))
+        self._map("llmobs_config").update(_U32.pack(0), config)
 
     def targets(self) -> dict[int, tuple[int, int]]:
         """Occupied target slots: slot -> (pid, context-cell address)."""
@@ -322,7 +324,7 @@ class ProbeProgram:
 
 
 _U32 = struct.Struct("<I")
-_CONFIG = struct.Struct("<QQ")  # struct llmobs_config
+_CONFIG = struct.Struct("<QQQ")  # struct llmobs_config
 _TARGET = struct.Struct("<IIQQ")  # struct llmobs_target
 _FD_KEY = struct.Struct("<II")  # struct llmobs_fd_key
 

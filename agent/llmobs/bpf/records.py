@@ -15,7 +15,12 @@ FLAG_THREAD = 4  # tagged from the thread's own OTEP 4947 record (llmobs_read_th
 SAMPLE_MODES = {"trace": 0, "cpu": 1}
 
 # indices of llmobs_counters (LLMOBS_CTR_*)
-COUNTERS = ("ring_drops", "agg_overflow", "ctx_faults", "torn_reads", "start_lost", "sampled")
+COUNTERS = ("ring_drops", "agg_overflow", "ctx_faults", "torn_reads", "start_lost", "sampled", "thinned")
+# Thinning (llmobs_config.thin, the probes.thin setting): these probes ship 1 in `thin` of their tagged
+# events (step_seq != 0); the aggregates count every one. A shipped one stands for `thin` events: its
+# sample_ratio is multiplied. The C programs that record with thinning on are these (a unit test checks).
+DEFAULT_THIN = 64
+THINNED_PROBES = ("linear", "page_fault_user")
 
 EVENT_DTYPE = np.dtype(
     [
@@ -46,6 +51,22 @@ AGG_KEY_DTYPE = np.dtype([("pid", "<u4"), ("probe", "<u4"), ("step_seq", "<u8")]
 AGG_VAL_DTYPE = np.dtype([("count", "<u8"), ("sum_value", "<u8"), ("sum_duration_ns", "<u8")])
 
 _MASK64 = (1 << 64) - 1
+
+
+def thinned_ids(probe_names) -> np.ndarray:
+    """The indices of THINNED_PROBES in a probe table (the decoder's names, in probe id order)."""
+    return np.array([i for i, name in enumerate(probe_names) if name in THINNED_PROBES], dtype=np.uint16)
+
+
+def sample_ratios(probe: np.ndarray, step_seq: np.ndarray, sample_ratio: int, thin: int,
+                  thinned: np.ndarray, dtype: str = "<i4") -> np.ndarray:  # fmt: skip
+    """Each event's sample_ratio (how many events it stands for): the 1/N sampler's N, times `thin` for a
+    thinned probe's tagged event (the kernel shipped 1 in `thin` of those)."""
+    ratios = np.full(len(probe), sample_ratio, dtype=dtype)
+    if thin > 1:
+        for probe_id in thinned.tolist():
+            ratios[(probe == probe_id) & (step_seq != 0)] *= thin
+    return ratios
 
 
 def mix64(x: int) -> int:

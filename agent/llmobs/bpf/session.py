@@ -26,7 +26,7 @@ from llmobs.bpf.cleanup import remove_stale_uprobes
 from llmobs.bpf.libraries import ResolvedProbe, Skipped, mapped_libraries, resolve
 from llmobs.bpf.profiles import Probe, probes_of
 from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
-from llmobs.bpf.records import COUNTERS, RING_RECORD_DTYPE
+from llmobs.bpf.records import COUNTERS, DEFAULT_THIN, RING_RECORD_DTYPE
 from llmobs.bpf.ringbuf import RingConsumer
 from llmobs.bpf.thread_records import find_thread_registry
 from llmobs.errors import AccessDenied, NothingAttached, NotTracked
@@ -145,6 +145,7 @@ class Options:
     profiles: tuple[str, ...] = ("cpu", "host")
     sample_n: int = 1
     sample_mode: str = "trace"
+    thin: int = DEFAULT_THIN  # probes.thin: the thinned probes ship 1 in this many tagged events
     ioctl_paths: str = "/dev/nvidia*"  # glob of the device files whose ioctls the host profile times
     require_pytorch: bool = True
     gemm_durations: bool = False  # time the probes whose duration is optional (sgemm): ~2x their cost
@@ -244,11 +245,12 @@ class AttachSession:
             self.program = ProbeProgram(loadable)
         program = self.program
         available = {probe.name for probe in program.probes}
+        if not self.options.shared:  # the fleet set its program's; calibration measures under them
+            program.set_sampling(self.options.sample_n, self.options.sample_mode, self.options.thin)
         if self.options.calibrate:  # before the reset and drain below, which discard its own events
             self._calibrate(program, available)
         if not self.options.shared:
             program.reset_maps()
-            program.set_sampling(self.options.sample_n, self.options.sample_mode)
             self._ring = RingConsumer(program.map_fd("llmobs_events"), program.ring_bytes)
             self._ring.drain()  # leftovers of a previous session of a reused program
         self.cell_address = find_context_cell(self.pid, entries, ctx_offset())

@@ -43,6 +43,11 @@ SAMPLE_MODE = flag(
     help="trace: keep a request whole or not at all (hash of the trace id); cpu: per-CPU counter hash "
     "(default trace)",
 )
+THIN = flag(
+    "probes.thin",
+    help="linear and page_fault_user ship 1 in N of a step's events; their per-step counts stay exact "
+    "(default 64; 1: every event)",
+)
 IOCTL_PATHS = flag(
     "probes.ioctl_paths",
     option="--ioctl-paths",
@@ -66,12 +71,12 @@ CPU_PRIORITY = flag(
     "workload leaves (if it leaves none, the agent falls behind and its losses are counted); normal: "
     "the priority it was started with (docs/governor.md)",
 )
-SETTING_FLAGS = (PROFILE, SAMPLE, SAMPLE_MODE, IOCTL_PATHS, OVERHEAD_BUDGET, COST_SCALE, CPU_PRIORITY)
+SETTING_FLAGS = (PROFILE, SAMPLE, SAMPLE_MODE, THIN, IOCTL_PATHS, OVERHEAD_BUDGET, COST_SCALE, CPU_PRIORITY)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pid", type=int, help="the PyTorch process to attach to")
-    add_flags(parser, (PROFILE, SAMPLE, SAMPLE_MODE))
+    add_flags(parser, (PROFILE, SAMPLE, SAMPLE_MODE, THIN))
     parser.add_argument(
         "--gemm-durations",
         action="store_true",
@@ -128,6 +133,7 @@ def _validate(args: argparse.Namespace) -> tuple[str, ...]:
     args.profile = ",".join(values["probes.profiles"])
     args.sample = values["probes.sample_n"]
     args.sample_mode = values["probes.sample_mode"]
+    args.thin = values["probes.thin"]
     args.ioctl_paths = values["probes.ioctl_paths"]
     args.cost_scale = values["overhead.cost_scale"]
     args.cpu_priority = values["overhead.cpu_priority"]
@@ -208,6 +214,7 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         profiles=profiles,
         sample_n=args.sample,
         sample_mode=args.sample_mode,
+        thin=args.thin,
         ioctl_paths=args.ioctl_paths,
         gemm_durations=args.gemm_durations,
         calibrate=budget > 0,
@@ -248,7 +255,7 @@ def _attach(args: argparse.Namespace, profiles: tuple[str, ...]) -> int:
         status = report.StatusLine(session, args.status_interval)
         sinks = [status]
         if args.out:
-            sinks.append(ParquetEventWriter(companion_paths(args.out)[0], args.sample))
+            sinks.append(ParquetEventWriter(companion_paths(args.out)[0], args.sample, thin=args.thin))
         agent = Agent(
             store=store, owns_store=True, exporter=exporter, budget=budget, cost_scale=args.cost_scale,
             log=lambda line: print(line, file=sys.stderr, flush=True), on_detach=on_detach,
@@ -428,5 +435,5 @@ def _open_pipeline(args: argparse.Namespace, session, store):
     """The target's pipeline into `store` (which the caller closes if this raises)."""
     from llmobs.pipeline import Pipeline
 
-    return Pipeline(store, args.pid, session=session, sample_ratio=args.sample, detector=args.detector_config,
-                    replay=args.replay)  # fmt: skip
+    return Pipeline(store, args.pid, session=session, sample_ratio=args.sample, thin=args.thin,
+                    detector=args.detector_config, replay=args.replay)  # fmt: skip

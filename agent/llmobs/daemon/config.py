@@ -37,6 +37,7 @@ class DaemonConfig:
     profiles: tuple[str, ...]
     sample_n: int
     sample_mode: str
+    thin: int
     ioctl_paths: str
     users: tuple[int, ...]
     cgroup: str

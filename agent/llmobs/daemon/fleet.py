@@ -66,7 +66,7 @@ class Fleet:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise MissingLibrary(f"cannot compile or load the BPF program: {first}") from exc
         self.program.reset_maps()
-        self.program.set_sampling(self.options.sample_n, self.options.sample_mode)
+        self.program.set_sampling(self.options.sample_n, self.options.sample_mode, self.options.thin)
         self.ring = RingConsumer(self.program.map_fd("llmobs_events"), self.program.ring_bytes)
         for probe in probes:
             if probe.hook != "tracepoint":
@@ -104,6 +104,7 @@ class Fleet:
                 proc.pid,
                 session=session,
                 sample_ratio=self.options.sample_n,
+                thin=self.options.thin,
                 snapshot=snapshot_path(proc.pid, self.run_dir),
                 detector=self.detector,
                 replay=self.replay,

@@ -42,7 +42,7 @@ SWEEP_EVERY_S = 1.0  # maps left by exited processes are looked for at most this
 RETENTION_EVERY_S = 600.0
 STATUS_FILE = "daemon.json"
 # probes.* keys change what the program is compiled with or how rows are weighted: the fleet is rebuilt
-FLEET_KEYS = ("probes.profiles", "probes.sample_n", "probes.sample_mode", "probes.ioctl_paths")
+FLEET_KEYS = ("probes.profiles", "probes.sample_n", "probes.sample_mode", "probes.thin", "probes.ioctl_paths")
 SELECT_KEYS = ("select.users", "select.cgroup", "select.command", "discovery.recheck_s")
 
 
@@ -118,6 +118,7 @@ class Service:
             profiles=config.profiles,
             sample_n=config.sample_n,
             sample_mode=config.sample_mode,
+            thin=config.thin,
             ioctl_paths=config.ioctl_paths,
             # per-hit cost of each uprobe, measured once per agent process: what the governor weighs
             calibrate=True,

@@ -64,8 +64,11 @@ DEFAULT_BUDGET = 0.01
 DEFAULT_COST_SCALE = 2.3
 # Per-hit costs of the host tracepoints' programs on a target's event (bench.probes cost / the ab runs
 # in docs/probes.md: the program's run time less an empty tracepoint's, this host); `source` "default".
-# sched_switch: the switch-out (tag read, open) plus the switch-in (close, record).
-TRACEPOINT_COST_NS = {"sched_switch": 550.0, "page_fault_user": 420.0, "ioctl": 600.0}
+# sched_switch: the switch-out (tag read, open) plus the switch-in (close, record). page_fault_user is
+# thinned (probes.thin): its tagged hits skip the clock and the ring 63 times in 64, which took its run
+# time over an empty program's from 131 to 78 ns in one run (bench.probes --only cost, session 18):
+# 420 x 78 / 131.
+TRACEPOINT_COST_NS = {"sched_switch": 550.0, "page_fault_user": 250.0, "ioctl": 600.0}
 TRACEPOINT_EMPTY_NS = 25.0  # an empty tracepoint program's dispatch and run, the ratio's denominator
 # The agent's CPU per event it handles, at most (decode, store, correlate: ~2.3 us per event measured end to
 # end on the tiny model, issue 14): its CPU beyond hits x this is fixed work (snapshots, ticks) that

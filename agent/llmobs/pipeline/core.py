@@ -155,6 +155,7 @@ class Pipeline:
         *,
         session=None,
         sample_ratio: int = 1,
+        thin: int = 1,  # probes.thin of the program the events come from (bpf/records.py sample_ratios)
         correlate_every_s: float = CORRELATE_EVERY_S,
         extra_sinks: tuple = (),
         snapshot: Path | None | bool = True,
@@ -166,7 +167,8 @@ class Pipeline:
         self.store = store
         self.pid = pid
         self.owns_store = owns_store
-        self.writer = StoreWriter(store, EventDecoder([p.name for p in PROBES], sample_ratio=sample_ratio))
+        decoder = EventDecoder([p.name for p in PROBES], sample_ratio=sample_ratio, thin=thin)
+        self.writer = StoreWriter(store, decoder)
         # the journal first, then whatever else wants the batches; one fan-out, itself a sink
         self.sinks = CompositeSink([self.writer, *extra_sinks])
         self.shm = shm or ShmSource(pid)

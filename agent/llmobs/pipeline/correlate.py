@@ -11,7 +11,8 @@ A forward pass (pid, step_seq) may produce several token steps (one per batch ro
 prefill chunks without a token too; its rollup's totals are shared out to those rows by their tokens in
 pass_shares (llmobs.pipeline.apportion), in the same transaction. Counts come from the exact kernel
 aggregates (probe_aggregates) when the pass has
-any, else from the (possibly 1/N sampled) events; `counts_exact` says which. The joins run as SQL in
+any, else estimated from the (possibly 1/N sampled, or thinned) tagged events, each counted as the
+sample_ratio events it stands for; `counts_exact` says which. The joins run as SQL in
 DuckDB: the agent calls `correlate()` after each batch or periodically with `since_ns` set to the
 oldest step whose events may still arrive.
 """
@@ -32,11 +33,11 @@ EVENT_SLACK_NS = 1_000_000_000
 
 # Every eBPF event from `$since - slack` on, one schema: the three event tables.
 _EVENTS = f"""
-    SELECT pid, step_seq, ts_ns, probe, value, duration_ns FROM mem_events
+    SELECT pid, step_seq, ts_ns, probe, value, duration_ns, sample_ratio FROM mem_events
         WHERE ts_ns >= $since - {EVENT_SLACK_NS}
-    UNION ALL SELECT pid, step_seq, ts_ns, probe, value, duration_ns FROM host_events
+    UNION ALL SELECT pid, step_seq, ts_ns, probe, value, duration_ns, sample_ratio FROM host_events
         WHERE ts_ns >= $since - {EVENT_SLACK_NS}
-    UNION ALL SELECT pid, coalesce(external_id, step_seq), ts_ns, probe, value, duration_ns
+    UNION ALL SELECT pid, coalesce(external_id, step_seq), ts_ns, probe, value, duration_ns, sample_ratio
         FROM gpu_ops WHERE source = 'ebpf' AND ts_ns >= $since - {EVENT_SLACK_NS}
 """
 
@@ -54,8 +55,9 @@ WITH passes AS (
     GROUP BY pid, step_seq
 ),
 events AS ({_EVENTS}),
-tagged AS (
-    SELECT e.pid, e.step_seq, e.probe, count(*) AS n, sum(e.value) AS bytes, sum(e.duration_ns) AS ns
+tagged AS (  -- each event stands for sample_ratio events (the 1/N sampler's N, x THIN for a thinned probe)
+    SELECT e.pid, e.step_seq, e.probe, sum(e.sample_ratio) AS n, sum(e.value * e.sample_ratio) AS bytes,
+           sum(e.duration_ns * e.sample_ratio) AS ns
     FROM events e SEMI JOIN passes p ON e.pid = p.pid AND e.step_seq = p.step_seq
     GROUP BY ALL
 ),

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from llmobs.bpf.records import EVENT_DTYPE, KINDS
+from llmobs.bpf.records import EVENT_DTYPE, KINDS, sample_ratios, thinned_ids
 
 try:
     from llmobs.store import _event_split
@@ -73,6 +73,7 @@ class EventDecoder:
         dtype: np.dtype = EVENT_DTYPE,
         sample_ratio: int = 1,
         backend: str | None = None,
+        thin: int = 1,
     ):
         if dtype.itemsize % _WORD:
             raise ValueError("event records must be a whole number of 8-byte words")
@@ -84,11 +85,13 @@ class EventDecoder:
         self.backend = backend or ("c" if c_reads else "numpy")  # None: C where it reads these records
         self.dtype = dtype
         self.sample_ratio = sample_ratio
+        self.thin = thin  # the program's probes.thin: its thinned probes' tagged events stand for `thin`
         self._words = dtype.itemsize // _WORD
         # A probe index past the agent's table (a newer BPF program, a damaged record) is stored as
         # "unknown": left as it was, it failed the dictionary's check and with it the whole commit.
         self._probe_names = pa.array([*probe_names, "unknown"], pa.string())
         self._unknown_probe = np.uint16(len(probe_names))
+        self._thinned = thinned_ids(probe_names)
         self._kind_names = pa.array([*KINDS, "unknown"], pa.string())
         self._fields = {name: _field_slicer(dtype, name) for name in dtype.names}
         # kind index (LLMOBS_KIND_*) -> index into _TABLES; an unknown kind goes to host_events, as in
@@ -184,7 +187,8 @@ class EventDecoder:
         probes = part["probe"].view(np.uint16)  # this decode's own array: clamped in place
         np.minimum(probes, self._unknown_probe, out=probes)
         arrays["probe"] = pa.DictionaryArray.from_arrays(pa.array(part["probe"]), self._probe_names)
-        arrays["sample_ratio"] = pa.array(np.full(len(part["probe"]), self.sample_ratio, dtype=np.int32))
+        ratios = sample_ratios(probes, part["step_seq"], self.sample_ratio, self.thin, self._thinned)
+        arrays["sample_ratio"] = pa.array(ratios)
         if with_kind:
             # A kind this agent does not know (a newer BPF program) must not index past the dictionary.
             kinds = np.minimum(part["kind"].view(np.uint8), len(KINDS)).astype(np.int8)

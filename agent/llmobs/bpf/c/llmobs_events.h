@@ -34,6 +34,7 @@
 #define LLMOBS_CTR_TORN 3         /* the cell's seq was odd twice in a row */
 #define LLMOBS_CTR_START_LOST 4  /* an interval's start slot was taken by another thread, or a map full */
 #define LLMOBS_CTR_SAMPLED 5      /* events submitted to the ring */
+#define LLMOBS_CTR_THINNED 6      /* kept by the sampler, not shipped: a thinned probe's others (below) */
 #define LLMOBS_NUM_COUNTERS 8
 
 /* One sampled event as it sits in the ring (64 bytes, no padding). */
@@ -102,6 +103,7 @@ struct llmobs_target {
 struct llmobs_config {
     u64 sample_n; /* N of the 1/N sampling (0 or 1 keeps everything) */
     u64 mode;     /* LLMOBS_SAMPLE_* */
+    u64 thin;     /* the thinned probes ship 1 in `thin` of their tagged events (0 or 1: every one) */
 };
 
 /* Start slots: (thread, probe) hashed into an array, not a hash map, because an array lookup costs
@@ -130,6 +132,14 @@ BPF_F_TABLE("hash", struct llmobs_agg_key, struct llmobs_agg_val, llmobs_aggs, L
 BPF_PERCPU_ARRAY(llmobs_counters, u64, LLMOBS_NUM_COUNTERS);
 /* The per-CPU counter hashed by --sample-mode cpu. */
 BPF_PERCPU_ARRAY(llmobs_sample_ctr, u64, 1);
+/* Thinning (probes.thin, llmobs_config.thin): a probe hit many times a step whose tagged events are
+ * counted exactly in llmobs_aggs (linear: 211 hits a SmolLM2 token; page faults: ~58,000 a second in a
+ * teacher-forced pass) ships 1 in `thin` of its tagged events to the ring; the agent reads the step's
+ * totals from the aggregates and gives each shipped event sample_ratio x thin. The other hits skip the
+ * clock read and the ring (the ~100 ns of a linear hit's ~120 over an empty probe's). Untagged events
+ * are never thinned: they are placed in a pass by their time, one by one. */
+/* The per-CPU counter of the thinned probes' tagged hits: every thin-th one ships. */
+BPF_PERCPU_ARRAY(llmobs_thin_ctr, u64, 1);
 /* Open intervals (timed calls, off-CPU), in slots hashed from (thread, probe): start time and tag. */
 BPF_ARRAY(llmobs_call_start, struct llmobs_start, LLMOBS_START_SLOTS);
 /* Live CPU allocations: pointer -> size, so free_cpu events carry the bytes they release. */
@@ -272,10 +282,9 @@ static __always_inline int llmobs_read_tag(u32 tgid, struct llmobs_tag *tag)
 }
 
 /* The 1/N decision: by trace id (a request kept whole or not at all), else by a per-CPU counter. */
-static __always_inline int llmobs_keep(struct llmobs_tag *tag)
+static __always_inline int llmobs_keep(struct llmobs_config *config, struct llmobs_tag *tag)
 {
     u32 zero = 0;
-    struct llmobs_config *config = llmobs_config.lookup(&zero);
     u64 *ctr;
 
     if (!config || config->sample_n <= 1)
@@ -290,15 +299,32 @@ static __always_inline int llmobs_keep(struct llmobs_tag *tag)
     return llmobs_mix64(*ctr ^ ((u64)bpf_get_smp_processor_id() << 48)) % config->sample_n == 0;
 }
 
+/* Thinning's decision for a kept tagged event of a thinned probe: every config->thin-th of this CPU's. */
+static __always_inline int llmobs_thin_keep(struct llmobs_config *config)
+{
+    u32 zero = 0;
+    u64 *ctr;
+
+    if (!config || config->thin <= 1)
+        return 1;
+    ctr = llmobs_thin_ctr.lookup(&zero);
+    if (!ctr)
+        return 1;
+    return (*ctr)++ % config->thin == 0;
+}
+
 /* Counts the event exactly in llmobs_aggs, then ships it to the ring if the sampler keeps it.
  * ts_ns 0 means "now": read only for a kept event, since a clock read costs ~75 ns a hit here.
  * sum_value: what the aggregate adds up (value, but for thread_span, whose value is an id, not a
- * quantity: 0, so a sum of ids never overflows the store's signed sum_value). */
+ * quantity: 0, so a sum of ids never overflows the store's signed sum_value). thin: a constant, 1 for
+ * the thinned probes (their tagged events ship 1 in config->thin), else 0 (compiled out). */
 static __always_inline void llmobs_record_as(u32 pid, u32 tid, u16 probe, u8 kind, struct llmobs_tag *tag,
-                                             u64 ts_ns, u64 value, u64 sum_value, u64 duration_ns)
+                                             u64 ts_ns, u64 value, u64 sum_value, u64 duration_ns, int thin)
 {
     struct llmobs_agg_key key = {.pid = pid, .probe = probe, .step_seq = tag->step_seq};
     struct llmobs_agg_val *agg = llmobs_aggs.lookup(&key);
+    u32 zero = 0;
+    struct llmobs_config *config = llmobs_config.lookup(&zero);
     struct llmobs_event *ev;
 
     if (!agg) {
@@ -316,8 +342,12 @@ static __always_inline void llmobs_record_as(u32 pid, u32 tid, u16 probe, u8 kin
         llmobs_count(LLMOBS_CTR_AGG_OVERFLOW);
     }
 
-    if (!llmobs_keep(tag))
+    if (!llmobs_keep(config, tag))
         return;
+    if (thin && tag->step_seq && !llmobs_thin_keep(config)) {
+        llmobs_count(LLMOBS_CTR_THINNED);
+        return;
+    }
     ev = llmobs_events.ringbuf_reserve(sizeof(*ev));
     if (!ev) {
         llmobs_count(LLMOBS_CTR_RING_DROPS);
@@ -343,18 +373,24 @@ static __always_inline void llmobs_record_as(u32 pid, u32 tid, u16 probe, u8 kin
 static __always_inline void llmobs_record(u32 pid, u32 tid, u16 probe, u8 kind, struct llmobs_tag *tag,
                                           u64 ts_ns, u64 value, u64 duration_ns)
 {
-    llmobs_record_as(pid, tid, probe, kind, tag, ts_ns, value, value, duration_ns);
+    llmobs_record_as(pid, tid, probe, kind, tag, ts_ns, value, value, duration_ns, 0);
 }
 
-/* A point event of the current thread: tag, count, sample. */
-static __always_inline void llmobs_point(u16 probe, u8 kind, u64 value)
+/* A point event of the current thread: tag, count, sample (thin: as llmobs_record_as's). */
+static __always_inline void llmobs_point_as(u16 probe, u8 kind, u64 value, int thin)
 {
     u64 id = bpf_get_current_pid_tgid();
     struct llmobs_tag tag;
 
     if (llmobs_read_tag(id >> 32, &tag) < 0)
         return;
-    llmobs_record(id >> 32, (u32)id, probe, kind, &tag, 0, value, 0);
+    llmobs_record_as(id >> 32, (u32)id, probe, kind, &tag, 0, value, value, 0, thin);
+}
+
+/* A point event of the current thread, every one shipped that the sampler keeps. */
+static __always_inline void llmobs_point(u16 probe, u8 kind, u64 value)
+{
+    llmobs_point_as(probe, kind, value, 0);
 }
 
 /* Opens an interval for (thread tid of process pid, probe) with this tag. Returns the slot or NULL. */

@@ -1,5 +1,6 @@
 /* host profile: user-space page faults of the target, from exceptions:page_fault_user.
- * value = 0 (the faulting address is not a size). */
+ * value = 0 (the faulting address is not a size). Thinned: every fault is counted in the step's
+ * aggregates, 1 in probes.thin of a step's faults is shipped (llmobs_events.h). */
 
 /* the fields of exceptions:page_fault_user (tracefs format) */
 struct llmobs_page_fault_args {
@@ -13,6 +14,6 @@ struct llmobs_page_fault_args {
 int tracepoint_page_fault_user(struct llmobs_page_fault_args *args)
 {
     LLMOBS_RETURN_IF_OFF(LLMOBS_PROBE_page_fault_user);
-    llmobs_point(LLMOBS_PROBE_page_fault_user, LLMOBS_KIND_HOST, 0);
+    llmobs_point_as(LLMOBS_PROBE_page_fault_user, LLMOBS_KIND_HOST, 0, 1);
     return 0;
 }

@@ -17,6 +17,6 @@ int uprobe__thread_span(struct pt_regs *ctx)
     LLMOBS_RETURN_IF_OFF(LLMOBS_PROBE_thread_span);
     if (llmobs_read_tag_span(id >> 32, &tag, &span_id) < 0)
         return 0;
-    llmobs_record_as(id >> 32, (u32)id, LLMOBS_PROBE_thread_span, LLMOBS_KIND_HOST, &tag, 0, span_id, 0, 0);
+    llmobs_record_as(id >> 32, (u32)id, LLMOBS_PROBE_thread_span, LLMOBS_KIND_HOST, &tag, 0, span_id, 0, 0, 0);
     return 0;
 }
