@@ -118,7 +118,8 @@ print(seen[0], cpu_priority.current())
 
 def test_a_starved_agent_gets_its_start_priority_back_and_goes_idle_again_once_fed():
     # The loop has not turned for max_starved_s: the guard puts every thread back at its start priority
-    # (counted), and idle again once the loop turns settle_s without a gap. In a child process.
+    # (counted), keeps it while the catch-up turn runs (one turn started since the rescue, none after),
+    # and makes it idle again once that turn has ended (the next one started). In a child process.
     import subprocess
     import sys
 
@@ -130,20 +131,25 @@ cpu_priority.apply("idle")
 turn = {"at": time.monotonic() - 60}  # starved since long ago
 rescues = []
 guard = cpu_priority.StarvationGuard(previous, lambda: turn["at"], lambda: rescues.append(1),
-                                     max_starved_s=0.2, settle_s=0.3, check_s=0.02)
+                                     max_starved_s=0.2, check_s=0.02, rescued_check_s=0.01)
 guard.start()
-def until(want, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while cpu_priority.current() != want:
-        assert time.monotonic() < deadline, want
-        turn["at"] = turn["at"] if want == "normal" else time.monotonic()  # fed while waiting for idle
-        time.sleep(0.01)
-until("normal")
+deadline = time.monotonic() + 10.0
+while cpu_priority.current() != "normal":
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
 print(len(rescues), cpu_priority.current(guard._thread.native_id))
-until("idle")
-print(cpu_priority.current(guard._thread.native_id))
+turn["at"] = time.monotonic()  # the catch-up turn starts ...
+held = time.monotonic() + 0.3  # ... and runs 30 of the guard's rescued checks: it stays at normal
+while time.monotonic() < held:
+    assert cpu_priority.current() == "normal"
+    time.sleep(0.01)
+turn["at"] = time.monotonic()  # ... and ends: the next turn starts
+while cpu_priority.current() != "idle":
+    assert time.monotonic() < deadline + 10.0
+    time.sleep(0.01)
+print(len(rescues), cpu_priority.current(guard._thread.native_id))
 guard.stop()
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["1", "normal", "normal"]
+    assert result.stdout.split() == ["1", "normal", "1", "normal"]  # one rescue; the guard stays normal

@@ -21,9 +21,16 @@ busy loops on this 2-core box, an idle-scheduled attach had not finished its det
 Never starved for long (StarvationGuard): under that load the idle-scheduled loop ran about once in 40 s,
 which would miss the daemon's systemd watchdog (30 s) and leave every anomaly row tens of seconds late.
 A thread of the agent's, kept at its start priority and waking once a second, puts the agent back at
-that priority when its loop has not turned for MAX_STARVED_S, and idle again once the loop has turned
-for SETTLE_S without a gap: on a saturated host the agent then costs the workload what it needs to keep
-up, as every agent did before, and no more. Each rescue is counted (`cpu_starved`, said at detach).
+that priority when its loop has not turned for MAX_STARVED_S, and idle again as soon as the loop has
+made one whole turn since (the catch-up turn: the ring, the map and the store's hand-off of the backlog),
+watched every RESCUED_CHECK_S meanwhile. On a saturated host the agent then runs a catch-up turn at
+normal priority every ~MAX_STARVED_S and the rest of its work idle. Each rescue is counted
+(`cpu_starved`, said at detach).
+
+Why one turn, not a settling period: until session 18 the agent stayed at normal priority until its loop
+had turned SETTLE_S (5 s) without a gap. SmolLM2's teacher-forced passes at 2 threads fill both cores:
+the idle agent (`attach --db`) was rescued twice in 13 s, each rescue holding normal priority for 6 s or
+more, so it ran most of the time where its wake-ups preempt the intra-op threads (the 0.942x above).
 """
 
 from __future__ import annotations
@@ -39,8 +46,8 @@ NORMAL = "normal"
 POLICIES = (IDLE, NORMAL)
 # The loop turns every 20-100 ms (runtime/agent.py DRAIN_PERIOD_S); this long without a turn is starvation.
 MAX_STARVED_S = 2.0
-# Back to idle once the loop has turned this long without a gap (it has caught up).
-SETTLE_S = 5.0
+# While rescued, the guard looks this often for the loop's catch-up turn to have ended.
+RESCUED_CHECK_S = 0.05
 GUARD_THREAD_NAME = "llmobs-cpuguard"  # the one thread of the agent's never idle-scheduled
 
 
@@ -94,8 +101,9 @@ def _threads() -> list[int]:
 
 class StarvationGuard:
     """While the agent is idle-scheduled: gives its threads back their start priority (`previous`)
-    when `last_turn()` (the loop's monotonic time of its last turn) is older than MAX_STARVED_S, and
-    idle again after SETTLE_S of turns without such a gap. `on_starved()` is called at each rescue."""
+    when `last_turn()` (the loop's monotonic time of the start of its last turn) is older than
+    MAX_STARVED_S, and idle again once a turn that started after the rescue has ended (the next one has
+    started). `on_starved()` is called at each rescue."""
 
     def __init__(
         self,
@@ -104,11 +112,11 @@ class StarvationGuard:
         on_starved: Callable[[], None],
         *,
         max_starved_s: float = MAX_STARVED_S,
-        settle_s: float = SETTLE_S,
         check_s: float = 1.0,
+        rescued_check_s: float = RESCUED_CHECK_S,
     ):
         self.previous = previous
-        self.max_starved_s, self.settle_s, self.check_s = max_starved_s, settle_s, check_s
+        self.max_starved_s, self.check_s, self.rescued_check_s = max_starved_s, check_s, rescued_check_s
         self.last_turn = last_turn
         self.on_starved = on_starved
         self.rescues = 0
@@ -130,17 +138,18 @@ class StarvationGuard:
         comm_path = f"/proc/self/task/{threading.get_native_id()}/comm"
         with contextlib.suppress(OSError), open(comm_path, "w") as comm:
             comm.write(GUARD_THREAD_NAME)
-        idle, fed_since = True, None
-        while not self._stop.wait(self.check_s):
-            now = time.monotonic()
-            starved = now - self.last_turn() > self.max_starved_s
-            if idle and starved:
-                _set_all(*self.previous)
-                idle, fed_since = False, None
-                self.rescues += 1
-                self.on_starved()
-            elif not idle:
-                fed_since = None if starved else (fed_since or now)
-                if fed_since is not None and now - fed_since >= self.settle_s:
-                    _set_all(os.SCHED_IDLE, skip=threading.get_native_id())
-                    idle = True
+        rescued_at = caught_up_turn = None  # None: idle-scheduled
+        while not self._stop.wait(self.check_s if rescued_at is None else self.rescued_check_s):
+            now, turn = time.monotonic(), self.last_turn()
+            if rescued_at is None:
+                if now - turn > self.max_starved_s:
+                    _set_all(*self.previous)
+                    rescued_at, caught_up_turn = now, None
+                    self.rescues += 1
+                    self.on_starved()
+            elif caught_up_turn is None:
+                if turn >= rescued_at:  # the catch-up turn has started
+                    caught_up_turn = turn
+            elif turn > caught_up_turn:  # ... and ended: the next one started
+                _set_all(os.SCHED_IDLE, skip=threading.get_native_id())
+                rescued_at = None
