@@ -114,7 +114,14 @@ def test_attach_budget_settings_share_runs_parsers_and_units() -> None:
 
     args = cli.build_parser().parse_args(["attach", "--overhead-budget", "0.05", "--sample", "3"])
     assert attach._validate(args) == ("cpu", "host")
-    assert (args.overhead_budget, args.sample) == (0.05, 3)
+    assert (args.overhead_budget, args.sample, args.thin) == (0.05, 3, 64)  # probes.thin's default
+    thin = cli.build_parser().parse_args(["attach", "--thin", "1"])
+    attach._validate(thin)
+    assert thin.thin == 1
+    bad = _cli("attach", "--thin", "0", "--ebpf")
+    error, hint = _two_lines(bad.stderr)
+    assert bad.returncode == 2 and error.startswith("error: probes.thin = '0' (from flag --thin)")
+    assert hint.startswith("hint:")
     assert (args.sample_mode, args.ioctl_paths, args.profile) == ("trace", "/dev/nvidia*", "cpu,host")
     assert isinstance(args, argparse.Namespace)
     error, hint = _two_lines(_cli("attach", "--overhead-budget", "5", "--ebpf").stderr)
