@@ -9,6 +9,7 @@ hf.py           llmobs.instrument: the Hugging Face integration (generate() and 
 serving.py      continuous batching, engine-neutral: mixed passes of many requests, request-end records
 hf_serving.py   its transformers adapter (ContinuousBatchingManager; llmobs.serving.instrument_manager)
 device_math.py  the per-token metrics computed on the model's device (loss, entropy, p(target), rank)
+shared_loss.py  a labelled pass's loss from the metrics' own log-softmax (no second one in the model)
 training.py     training mode: the dL/dE device ring and its dump on the agent's command
 recorder.py     the flight recorder: token ids + chunked KV snapshots, CMD_REPLAY on a background thread
 replay_thread.py  which threads run a replay (the live hooks skip them)

@@ -77,6 +77,31 @@ def device_block(
     return _assemble(*_cpu_chunked_passes(logits, index, want_argmax, rows), tgt, token_ids, all_valid)
 
 
+def labelled_block(
+    x: torch.Tensor, targets: torch.Tensor, token_ids: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """device_block of a teacher-forced pass's rows (x [N, V], targets [N] with negatives ignored), and
+    the log-softmax of every row: the one the model's cross-entropy would compute again for its loss
+    (publisher/shared_loss.py takes it from here). The log-softmax is a buffer of this thread's pool:
+    give it back with `release` once the loss is read from it."""
+    tgt = targets.view(-1, 1)
+    index = tgt.clamp(min=0)
+    rows = _cpu_chunk_rows(x)
+    if rows:
+        lp = _lend(x.numel()).view(x.shape)
+        passes = _cpu_chunked_passes(x, index, False, rows, lp_out=lp)
+    else:
+        prepared = prepare(x)
+        lp = prepared.lp
+        passes = _vocab_passes(prepared, index, False)
+    return _assemble(*passes, tgt, token_ids, False), lp
+
+
+def release(lp: torch.Tensor) -> None:
+    """A log-softmax labelled_block lent, back to the pool (nothing when it was not lent)."""
+    _give_back(lp)
+
+
 def _cpu_chunk_rows(logits) -> int:
     """Rows per chunk where chunking pays (raw logits on a CPU, more rows than one chunk), else 0."""
     if isinstance(logits, Prepared) or logits.device.type != "cpu" or logits.dim() != 2:
@@ -86,18 +111,22 @@ def _cpu_chunk_rows(logits) -> int:
     return rows if logits.shape[0] > rows else 0
 
 
-def _cpu_chunked_passes(x: torch.Tensor, index, want_argmax: bool, rows: int):
+def _cpu_chunked_passes(
+    x: torch.Tensor, index, want_argmax: bool, rows: int, lp_out: torch.Tensor | None = None
+):  # noqa: E501
     """_vocab_passes over a CPU tensor `rows` rows at a time, every pass writing into the thread's two
     chunk buffers and the [N, 1] columns: no allocation per chunk. (Per-chunk temporaries measured
     6,522 page faults a call in one process and none in another: glibc's heap after small tensors
-    are held between large ones is not something to rely on.)"""
+    are held between large ones is not something to rely on.) lp_out [N, V]: each chunk's log-softmax
+    is written there instead, kept for the caller."""
     n = x.shape[0]
     lp_all, work = _chunk_buffers(rows, x.shape[1])
     top1, neg_entropy = torch.empty(n, 1), torch.empty(n, 1)
     lpt, rank = (None, None) if index is None else (torch.empty(n, 1), torch.empty(n, 1))
     for i in range(0, n, rows):
         j = min(i + rows, n)
-        lp, tmp = lp_all[: j - i], work[: j - i]
+        lp = lp_all[: j - i] if lp_out is None else lp_out[i:j]
+        tmp = work[: j - i]
         chunk = x[i:j] if x.dtype == torch.float32 else tmp.copy_(x[i:j])  # bf16/fp16 logits: as float32
         _chunk_stats(chunk, lp, tmp, top1[i:j], neg_entropy[i:j])
         if index is None:

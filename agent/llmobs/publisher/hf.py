@@ -5,7 +5,8 @@ Two forward hooks on the model and a wrapper around its `generate`:
   tags the forward's work with the new step_seq) and, from that forward's input_ids, learns which
   token the previous step chose: that step is published then (the last one when generate returns).
 - forward with labels: every target token of the batch is published (HF shift: logits[:, t]
-  predicts labels[:, t+1]; label -100 = no target, published with NaN loss).
+  predicts labels[:, t+1]; label -100 = no target, published with NaN loss). Without autograd the
+  model's loss comes from the metrics' own log-softmax, to the bit (shared_loss.py): one pass, not two.
 - inside `with llmobs.request(...)`: the pre-hook begins the request's step, `req.step` publishes.
 With attention_entropy=AttentionEntropy(every=N) (llmobs.publisher.attention), every N-th forward pass
 also publishes each layer's attention entropy to the map's layer-stream ring; mlp_variance=MlpVariance(N)
@@ -28,6 +29,7 @@ import numpy as np
 
 from llmobs.publisher import labels as request_labels
 from llmobs.publisher import request as publisher
+from llmobs.publisher import shared_loss
 from llmobs.publisher.replay_thread import in_replay_thread
 from llmobs.shm import layout
 from llmobs.shm.hashing import trace_id, trace_words
@@ -117,6 +119,12 @@ class Instrumented:
         self.model_id = model_id
         self.labels = labels
         self._labels_state = contextvars.ContextVar("llmobs_labels", default=None)
+        # a labelled pass's metrics block, computed by the model's loss function (shared_loss.py)
+        self._shared_block = contextvars.ContextVar("llmobs_shared_block", default=None)
+        charge = self._charge if measure else None
+        self._shared_loss = (
+            shared_loss.install(model, self._labels_state, self._shared_block, charge) if labels else None
+        )
         self.cpu_ns = 0  # with measure=True: this thread's CPU time spent in the hooks (benchmarks)
         pre, post = (self._timed(self._pre), self._timed(self._post)) if measure else (self._pre, self._post)
         self._measure = measure
@@ -145,6 +153,8 @@ class Instrumented:
             flight.uninstall(self.recorder)
         for h in self._handles:
             h.remove()
+        if self._shared_loss is not None:
+            shared_loss.uninstall(self.model, self._shared_loss)
         if self._orig_generate is None:
             self.model.__dict__.pop("generate", None)
         else:
@@ -185,6 +195,9 @@ class Instrumented:
         except Exception as exc:
             publisher._count_error(exc)
             return None
+
+    def _charge(self, ns: int) -> None:
+        self.cpu_ns += ns
 
     def _timed(self, fn):
         def timed(*args):
@@ -326,6 +339,7 @@ class Instrumented:
         seq = w.begin_step(words[0][0], words[0][1], tenant_h, session_h)
         if self.layers is not None:
             self.layers.begin(seq, [x[0] for x in words], [x[1] for x in words])
+        self._shared_block.set(None)
         self._labels_state.set((seq, t0, ids, labels, words, tenant_h, session_h, model_h, seqs))
 
     def _publish_labels(self, state, logits) -> None:
@@ -335,10 +349,14 @@ class Instrumented:
         b, t, v = logits.shape
         if t < 2:
             return
-        lg = logits.detach()[:, :-1].reshape(-1, v)  # training: the metrics stay out of the autograd graph
-        targets = labels[:, 1:].reshape(-1).to(lg.device)
-        tokens = ids[:, 1:].reshape(-1).to(lg.device)
-        block = device_block(lg, targets, tokens)
+        block = shared_loss.block_for(self._shared_block, logits)  # the model's loss computed it
+        if block is not None:
+            block = block.view(b, t, -1)[:, :-1].reshape(-1, block.shape[-1])  # each row's last: no target
+        else:
+            lg = logits.detach()[:, :-1].reshape(-1, v)  # training: the metrics stay out of autograd
+            targets = labels[:, 1:].reshape(-1).to(lg.device)
+            tokens = ids[:, 1:].reshape(-1).to(lg.device)
+            block = device_block(lg, targets, tokens)
         n = b * (t - 1)
         hi = np.repeat(np.array([x[0] for x in words], dtype=np.uint64), t - 1)
         lo = np.repeat(np.array([x[1] for x in words], dtype=np.uint64), t - 1)
