@@ -160,6 +160,36 @@ def test_without_training_mode_the_dump_command_says_so(shm, monkeypatch):
     assert _dump_status(shm) == layout.ACK_UNSUPPORTED
 
 
+@pytest.mark.parametrize("detector", ["mad", "ttest", "both"])
+def test_the_step_detector_gives_score_sequences_verdicts_and_a_flagged_steps_statistics(detector):
+    """The verdict in Python floats is score_sequence's (the numpy pass over the window and the step) for
+    every step of noisy series with spikes, flat stretches (MAD 0) and the warm-up; a flagged step's
+    statistics are score_sequence's exactly (p included)."""
+    from llmobs.diagnostics.detectors import DetectorConfig, score_sequence
+
+    config = DetectorConfig(detector=detector, window=16, min_history=8, mad_threshold=6.0)
+    rng = np.random.default_rng(7)
+    series = np.concatenate([2.0 + 0.05 * rng.standard_normal(200), np.full(20, 1.5), 1.0 + rng.random(100)])
+    series[[30, 31, 90, 150, 230, 300]] += [3.0, 2.5, 0.4, 8.0, 0.01, 1.5]
+    fast, reference = StepSpikeDetector(config), []
+    flags = 0
+    for value in series:
+        window = reference[-config.window :]
+        scores = score_sequence(np.array([*window, value]), config)
+        expected = any(bool(scores.flagged(d)[-1]) for d in config.enabled)
+        flagged, stats = fast.score(float(value))
+        assert flagged == expected, (len(reference), value)
+        if flagged:
+            flags += 1
+            for name in ("median", "mad", "z", "t", "p", "n"):
+                np.testing.assert_equal(stats[name], float(getattr(scores, name)[-1]), err_msg=name)
+        else:
+            reference.append(float(value))
+            del reference[: -config.window]
+        assert fast.history == reference
+    assert flags >= 5  # the spikes, at least: the comparison saw both verdicts
+
+
 def test_the_step_detector_flags_a_corrupted_batch_and_not_a_falling_loss():
     detector = StepSpikeDetector()
     falling = [5.5 * 0.97**i for i in range(60)]
