@@ -78,3 +78,36 @@ def test_no_host_sync_per_step(shm):
     assert (b.raw["flags"] & layout.FLAG_DEVICE_CUDA).all()
     expect = F.cross_entropy(lg, tg, reduction="none").item()
     assert (abs(b.columns["loss"] - expect) <= 1e-5).all()
+
+
+def test_a_labelled_pass_on_cuda_shares_its_log_softmax_with_the_models_loss_to_the_bit(shm):
+    """publisher/shared_loss.py on the device: the model's loss under instrument (no autograd) is its own
+    loss's bits, the sharing was used (not turned off by the first pass's check), every target published."""
+    import llmobs
+    from llmobs.publisher import shared_loss
+    from llmobs.shm.reader import ShmReader
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=32000, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config).eval().to("cuda")
+    ids = torch.randint(0, 32000, (2, 40), device="cuda")
+    labels = ids.clone()
+    labels[0, :5] = -100
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=labels).loss
+    inst = llmobs.instrument(model, model_id="tiny-gpt2-cuda")
+    try:
+        with torch.no_grad():
+            shared = model(input_ids=ids, labels=labels).loss
+        calls = inst._shared_loss[0].calls
+    finally:
+        inst.remove()
+    from llmobs.shm.writer import get_writer
+
+    torch.cuda.synchronize()
+    get_writer().poll_pending()  # the records wait for their copy's CUDA event
+    assert calls == 1 and torch.equal(shared, own), shared_loss.status()
+    with ShmReader(os.getpid(), shm_dir=str(shm)) as reader:
+        batch = reader.read_steps(0)
+    assert len(batch) == 2 * 39 and batch.corrupt == 0
