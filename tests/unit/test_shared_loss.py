@@ -1,6 +1,7 @@
 """A labelled pass's loss from the publisher's own log-softmax (llmobs.publisher.shared_loss): the model's
-loss to the bit, the same published metrics as the unshared path, and the model's own loss function
-wherever sharing does not apply (autograd, a failure, a difference, another loss, after remove())."""
+loss to the bit (and with autograd its gradients), the same published metrics as the unshared path, and
+the model's own loss function wherever sharing does not apply (a failure, a difference, another loss,
+after remove())."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def model():
 @pytest.fixture
 def fresh(monkeypatch):
     """Each test starts with sharing unchecked and on, as a new process does."""
-    monkeypatch.setattr(shared_loss, "_checked", None)
+    monkeypatch.setattr(shared_loss, "_checked", set())
     monkeypatch.setattr(shared_loss, "_why_off", None)
 
 
@@ -61,7 +62,9 @@ def _published(tmp_path) -> dict[str, np.ndarray]:
     return {name: np.asarray(batch.columns[name]) for name in (*METRICS, "step_seq")}
 
 
-def test_the_loss_is_the_models_to_the_bit_and_the_metrics_are_the_unshared_ones(shm, model, fresh, layout):
+def test_the_loss_is_the_models_to_the_bit_and_the_metrics_are_the_unshared_ones(
+    shm, model, fresh, layout, monkeypatch
+):
     labels = _labels()
     with torch.no_grad():
         own = model(input_ids=BATCH, labels=labels).loss
@@ -70,12 +73,17 @@ def test_the_loss_is_the_models_to_the_bit_and_the_metrics_are_the_unshared_ones
         wrapper = inst._shared_loss[0]
         with torch.no_grad():
             shared = model(input_ids=BATCH, labels=labels).loss
-        assert wrapper.calls == 1 and shared_loss.status().startswith("on (checked")
-        unshared = model(input_ids=BATCH, labels=labels).loss  # autograd on: the model's own function
+        assert (
+            wrapper.calls == 1
+            and shared_loss.status() == "on (checked against the model's own loss: no_grad)"
+        )
+        monkeypatch.setattr(shared_loss, "_why_off", "off for the comparison")
+        with torch.no_grad():
+            unshared = model(input_ids=BATCH, labels=labels).loss  # the model's own, the post-hook's metrics
         assert wrapper.calls == 1
     finally:
         inst.remove()
-    assert torch.equal(shared, own) and torch.equal(unshared.detach(), own)
+    assert torch.equal(shared, own) and torch.equal(unshared, own)
     steps = _published(shm)
     first, second = (steps["step_seq"] == s for s in sorted(set(steps["step_seq"])))
     assert first.sum() == second.sum() == 2 * 7  # every target position of both rows, twice
@@ -84,6 +92,33 @@ def test_the_loss_is_the_models_to_the_bit_and_the_metrics_are_the_unshared_ones
     assert np.isnan(steps["loss"][first]).sum() == 2  # row 0's first two targets are ignored labels
     valid = ~np.isnan(steps["loss"][first])
     assert np.float32(steps["loss"][first][valid].mean()) == pytest.approx(own.item(), abs=1e-6)
+
+
+def test_with_autograd_the_loss_and_every_gradient_are_the_models_to_the_bit(shm, model, fresh, layout):
+    """A training pass: the loss keeps the graph cross_entropy would have built, so backward() gives every
+    parameter the same gradient bits; the metrics are the no-autograd pass's."""
+    labels = _labels()
+    own = model(input_ids=BATCH, labels=labels).loss
+    own.backward()
+    own_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    inst = llmobs.instrument(model, model_id="tiny-gpt2")
+    try:
+        shared = model(input_ids=BATCH, labels=labels).loss
+        assert shared.requires_grad and inst._shared_loss[0].calls == 1
+        shared.backward()
+        with torch.no_grad():
+            model(input_ids=BATCH, labels=labels)  # the same pass without autograd, for its metrics
+        assert shared_loss.status() == "on (checked against the model's own loss: autograd, no_grad)"
+    finally:
+        inst.remove()
+    assert torch.equal(shared.detach(), own.detach())
+    for (name, p), grad in zip(model.named_parameters(), own_grads, strict=True):
+        assert torch.equal(p.grad, grad), name
+    steps = _published(shm)
+    first, second = (steps["step_seq"] == s for s in sorted(set(steps["step_seq"])))
+    for name in METRICS:
+        np.testing.assert_array_equal(steps[name][first], steps[name][second], err_msg=name)
 
 
 def test_a_sum_over_num_items_in_batch_is_the_models_too(model, fresh, shm):

@@ -50,9 +50,8 @@ def prepare(logits: torch.Tensor) -> Prepared:
     x = logits if logits.dtype == torch.float32 else logits.float()
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 1 and x.numel() * 4 >= POOL_MIN_BYTES:
         return _cpu_chunked_prepare(x, _cpu_chunk_rows(x) or x.shape[0])
-    lp = torch.log_softmax(x, -1)
     # exp(lp) . lp as an in-place product and a sum: 1.6 ms for SmolLM2's 80 rows, linalg.vecdot 2.8 ms
-    return Prepared(x, lp, lp.amax(-1, keepdim=True), lp.exp().mul_(lp).sum(-1, keepdim=True))
+    return _prepared_from(x, torch.log_softmax(x, -1))
 
 
 def device_block(
@@ -78,20 +77,21 @@ def device_block(
 
 
 def labelled_block(
-    x: torch.Tensor, targets: torch.Tensor, token_ids: torch.Tensor
+    x: torch.Tensor, targets: torch.Tensor, token_ids: torch.Tensor, log_softmax: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, ...]:
     """device_block of a teacher-forced pass's rows (x [N, V], targets [N] with negatives ignored), and
     the log-softmax of every row: the one the model's cross-entropy would compute again for its loss
     (publisher/shared_loss.py takes it from here). The log-softmax is a buffer of this thread's pool:
-    give it back with `release` once the loss is read from it."""
+    give it back with `release` once the loss is read from it. Or the caller gives `log_softmax` (of x,
+    computed with autograd for a training pass's loss; not modified) and the block is computed from it."""
     tgt = targets.view(-1, 1)
     index = tgt.clamp(min=0)
     rows = _cpu_chunk_rows(x)
     if rows:
-        lp = _lend(x.numel()).view(x.shape)
-        passes = _cpu_chunked_passes(x, index, False, rows, lp_out=lp)
+        lp = _lend(x.numel()).view(x.shape) if log_softmax is None else log_softmax
+        passes = _cpu_chunked_passes(x, index, False, rows, lp_out=lp, lp_known=log_softmax is not None)
     else:
-        prepared = prepare(x)
+        prepared = prepare(x) if log_softmax is None else _prepared_from(x, log_softmax)
         lp = prepared.lp
         passes = _vocab_passes(prepared, index, False)
     return _assemble(*passes, tgt, token_ids, False), lp
@@ -111,14 +111,12 @@ def _cpu_chunk_rows(logits) -> int:
     return rows if logits.shape[0] > rows else 0
 
 
-def _cpu_chunked_passes(
-    x: torch.Tensor, index, want_argmax: bool, rows: int, lp_out: torch.Tensor | None = None
-):  # noqa: E501
+def _cpu_chunked_passes(x: torch.Tensor, index, want_argmax: bool, rows: int, lp_out=None, lp_known=False):
     """_vocab_passes over a CPU tensor `rows` rows at a time, every pass writing into the thread's two
     chunk buffers and the [N, 1] columns: no allocation per chunk. (Per-chunk temporaries measured
     6,522 page faults a call in one process and none in another: glibc's heap after small tensors
     are held between large ones is not something to rely on.) lp_out [N, V]: each chunk's log-softmax
-    is written there instead, kept for the caller."""
+    is written there instead, kept for the caller; with lp_known it is there already (not computed)."""
     n = x.shape[0]
     lp_all, work = _chunk_buffers(rows, x.shape[1])
     top1, neg_entropy = torch.empty(n, 1), torch.empty(n, 1)
@@ -128,7 +126,10 @@ def _cpu_chunked_passes(
         lp = lp_all[: j - i] if lp_out is None else lp_out[i:j]
         tmp = work[: j - i]
         chunk = x[i:j] if x.dtype == torch.float32 else tmp.copy_(x[i:j])  # bf16/fp16 logits: as float32
-        _chunk_stats(chunk, lp, tmp, top1[i:j], neg_entropy[i:j])
+        if lp_known:
+            _top1_and_entropy(lp, tmp, top1[i:j], neg_entropy[i:j])
+        else:
+            _chunk_stats(chunk, lp, tmp, top1[i:j], neg_entropy[i:j])
         if index is None:
             continue
         torch.gather(lp, -1, index[i:j], out=lpt[i:j])
@@ -166,8 +167,17 @@ def _chunk_stats(x, lp, work, top1, neg_entropy) -> None:
     """One chunk's target-free passes, every one written into the given buffers: lp = log_softmax(x),
     top1 = max lp, neg_entropy = sum(exp(lp) * lp) (`work` holds the product; it may be x itself)."""
     _log_softmax_into(x, lp)
+    _top1_and_entropy(lp, work, top1, neg_entropy)
+
+
+def _top1_and_entropy(lp, work, top1, neg_entropy) -> None:
     torch.amax(lp, -1, keepdim=True, out=top1)
     torch.sum(torch.exp(lp, out=work).mul_(lp), -1, keepdim=True, out=neg_entropy)
+
+
+def _prepared_from(x: torch.Tensor, lp: torch.Tensor) -> Prepared:
+    """prepare()'s passes over a log-softmax computed elsewhere (one pass, not in chunks)."""
+    return Prepared(x, lp, lp.amax(-1, keepdim=True), lp.exp().mul_(lp).sum(-1, keepdim=True))
 
 
 # Log-softmax buffers a thread's prepare() lends (a Prepared holds its rows until its tokens are chosen,

@@ -5,8 +5,8 @@ Two forward hooks on the model and a wrapper around its `generate`:
   tags the forward's work with the new step_seq) and, from that forward's input_ids, learns which
   token the previous step chose: that step is published then (the last one when generate returns).
 - forward with labels: every target token of the batch is published (HF shift: logits[:, t]
-  predicts labels[:, t+1]; label -100 = no target, published with NaN loss). Without autograd the
-  model's loss comes from the metrics' own log-softmax, to the bit (shared_loss.py): one pass, not two.
+  predicts labels[:, t+1]; label -100 = no target, published with NaN loss). The model's loss comes
+  from the metrics' own log-softmax, to the bit (shared_loss.py): one log-softmax a pass, not two.
 - inside `with llmobs.request(...)`: the pre-hook begins the request's step, `req.step` publishes.
 With attention_entropy=AttentionEntropy(every=N) (llmobs.publisher.attention), every N-th forward pass
 also publishes each layer's attention entropy to the map's layer-stream ring; mlp_variance=MlpVariance(N)

@@ -4,20 +4,24 @@ A Hugging Face causal LM given `labels` computes its loss as cross_entropy(logit
 which torch runs as nll_loss(log_softmax(logits)); the publisher then computes log_softmax of the same
 logits again for the per-token metrics. On SmolLM2's 81-token pass at 1 thread the two were 9.3 ms
 (the model's, into a fresh 16 MB tensor) and 11.7 ms (ours, the metrics included) of a ~265 ms pass.
-Here the instance's `loss_function` is wrapped: inside a labelled pass that llmobs publishes, without
-autograd (an evaluation, a scoring server), the wrapper computes the metrics' block and every row's
-log-softmax once (device_math.labelled_block), returns the model's loss as nll_loss of that
-log-softmax with the loss function's own reduction, and hands the block to the post-hook, which
-publishes it instead of computing it again.
+Here the instance's `loss_function` is wrapped: inside a labelled pass that llmobs publishes, the
+wrapper computes every row's log-softmax once, the metrics' block from it (device_math.labelled_block),
+returns the model's loss as nll_loss of that log-softmax with the loss function's own reduction, and
+hands the block to the post-hook, which publishes it instead of computing it again. Without autograd
+(an evaluation, a scoring server) the log-softmax goes into a buffer of the thread's pool, chunk by
+chunk; with it (training) it is torch.log_softmax with its graph, the very graph cross_entropy builds
+(it is composite: LogSoftmaxBackward, then NllLossBackward), so the gradients are the same too, and
+the metrics read its rows detached.
 
 Only where the model's loss function is transformers' own ForCausalLMLoss, whose semantics this
 reproduces (the shift, ignore_index, the mean or the sum over num_items_in_batch). The loss is the
 same to the bit: the same log_softmax kernel row by row, the same nll_loss. That is checked, not
 assumed: the first shared call of a process also runs the model's own loss function and compares; a
 difference (another transformers' semantics, another kernel) or any failure here turns sharing off
-for the process (`status()` says why) and the model's own loss is returned, never an error. Every other
-call goes to the model's own loss function untouched: with autograd on (training: the loss needs its
-graph), with arguments ForCausalLMLoss does not have, outside a labelled pass that llmobs publishes.
+for the process (`status()` says why) and the model's own loss is returned, never an error; each of the
+two ways (with and without autograd) is checked at its first use. Every other call goes to the model's
+own loss function untouched: with arguments ForCausalLMLoss does not have, outside a labelled pass that
+llmobs publishes.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from llmobs.publisher import device_math
 ARGUMENTS = ("logits", "labels", "vocab_size", "num_items_in_batch", "ignore_index", "shift_labels")
 IGNORE_INDEX = -100
 
-_checked: bool | None = None  # None: not yet compared with the model's own loss in this process
+_checked: set[str] = set()  # the ways ("no_grad", "autograd") already compared with the model's own loss
 _why_off: str | None = None
 
 
@@ -43,7 +47,9 @@ def status() -> str:
     """One line: whether sharing is on in this process, and why not."""
     if _why_off is not None:
         return f"off: {_why_off}"
-    return "on (checked against the model's own loss)" if _checked else "on (not used yet)"
+    if not _checked:
+        return "on (not used yet)"
+    return f"on (checked against the model's own loss: {', '.join(sorted(_checked))})"
 
 
 class SharedLoss:
@@ -62,7 +68,7 @@ class SharedLoss:
     def __call__(self, *args, **kwargs):
         state = self._labelled_pass.get()
         ids = state[2] if state is not None else None
-        if ids is None or _why_off is not None or torch.is_grad_enabled():
+        if ids is None or _why_off is not None:
             return self.original(*args, **kwargs)
         named = dict(zip(ARGUMENTS, args, strict=False))
         known = (
@@ -76,6 +82,7 @@ class SharedLoss:
         began = time.thread_time_ns() if self._charge is not None else 0
         try:
             loss, block = _loss_and_block(ids, **kwargs)
+            way = "autograd" if loss.requires_grad else "no_grad"
         except Exception as exc:  # never into the model: its own loss instead, from now on
             _turn_off(f"the shared loss failed: {exc!r}")
             return original(**kwargs)
@@ -83,9 +90,9 @@ class SharedLoss:
             if self._charge is not None:
                 self._charge(time.thread_time_ns() - began)
         self._shared.set((kwargs["logits"], block))  # the metrics hold either way
-        if not _checked:
+        if way not in _checked:
             theirs = original(**kwargs)
-            if not _matches(loss, theirs):
+            if not _matches(loss, theirs, way):
                 return theirs
         self.calls += 1
         return loss
@@ -146,24 +153,33 @@ def _loss_and_block(ids, logits, labels, vocab_size, num_items_in_batch=None, ig
         targets_of_metrics = targets.masked_fill(targets == ignore_index, -1)
     else:
         targets_of_metrics = targets
+    if torch.is_grad_enabled() and x.requires_grad:  # training: the loss keeps its graph
+        lp = torch.log_softmax(x, -1)
+        block, _ = device_math.labelled_block(x.detach(), targets_of_metrics, tokens, log_softmax=lp.detach())
+        return _reduced(lp, targets, ignore_index, num_items_in_batch), block
     block, lp = device_math.labelled_block(x, targets_of_metrics, tokens)
     try:
-        reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = F.nll_loss(lp, targets, ignore_index=ignore_index, reduction=reduction)
-        if reduction == "sum":
-            if torch.is_tensor(num_items_in_batch):
-                num_items_in_batch = num_items_in_batch.to(loss.device)
-            loss = loss / num_items_in_batch
+        return _reduced(lp, targets, ignore_index, num_items_in_batch), block
     finally:
         device_math.release(lp)
-    return loss, block
 
 
-def _matches(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
-    """The first shared call's check: the same bits as the model's own loss, else sharing goes off."""
-    global _checked
+def _reduced(lp, targets, ignore_index: int, num_items_in_batch) -> torch.Tensor:
+    """fixed_cross_entropy's loss from the log-softmax: the mean, or the sum over num_items_in_batch."""
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = F.nll_loss(lp, targets, ignore_index=ignore_index, reduction=reduction)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _matches(ours: torch.Tensor, theirs: torch.Tensor, way: str) -> bool:
+    """A way's first shared call's check: the same bits as the model's own loss, else sharing goes off."""
+    ours, theirs = ours.detach(), theirs.detach()
     if ours.dtype == theirs.dtype and ours.shape == theirs.shape and torch.equal(ours, theirs):
-        _checked = True
+        _checked.add(way)
         return True
     _turn_off(f"the shared loss {ours.item()!r} differs from the model's {theirs.item()!r}")
     return False
