@@ -81,8 +81,9 @@ def test_no_host_sync_per_step(shm):
 
 
 def test_a_labelled_pass_on_cuda_shares_its_log_softmax_with_the_models_loss_to_the_bit(shm):
-    """publisher/shared_loss.py on the device: the model's loss under instrument (no autograd) is its own
-    loss's bits, the sharing was used (not turned off by the first pass's check), every target published."""
+    """publisher/shared_loss.py on the device: the model's loss under instrument is its own loss's bits
+    without autograd and with it (its gradients too), the sharing was used (not turned off by either
+    way's first check), every target published."""
     import llmobs
     from llmobs.publisher import shared_loss
     from llmobs.shm.reader import ShmReader
@@ -96,10 +97,16 @@ def test_a_labelled_pass_on_cuda_shares_its_log_softmax_with_the_models_loss_to_
     labels[0, :5] = -100
     with torch.no_grad():
         own = model(input_ids=ids, labels=labels).loss
+    trained = model(input_ids=ids, labels=labels).loss
+    trained.backward()
+    own_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
     inst = llmobs.instrument(model, model_id="tiny-gpt2-cuda")
     try:
         with torch.no_grad():
             shared = model(input_ids=ids, labels=labels).loss
+        shared_trained = model(input_ids=ids, labels=labels).loss
+        shared_trained.backward()
         calls = inst._shared_loss[0].calls
     finally:
         inst.remove()
@@ -107,7 +114,10 @@ def test_a_labelled_pass_on_cuda_shares_its_log_softmax_with_the_models_loss_to_
 
     torch.cuda.synchronize()
     get_writer().poll_pending()  # the records wait for their copy's CUDA event
-    assert calls == 1 and torch.equal(shared, own), shared_loss.status()
+    assert calls == 2 and torch.equal(shared, own), shared_loss.status()
+    assert torch.equal(shared_trained.detach(), trained.detach())
+    for p, grad in zip(model.parameters(), own_grads, strict=True):
+        assert torch.equal(p.grad, grad)
     with ShmReader(os.getpid(), shm_dir=str(shm)) as reader:
         batch = reader.read_steps(0)
-    assert len(batch) == 2 * 39 and batch.corrupt == 0
+    assert len(batch) == 2 * 2 * 39 and batch.corrupt == 0
