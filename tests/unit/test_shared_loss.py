@@ -56,6 +56,20 @@ def _labels():
     return labels
 
 
+def _own_then_instrumented(model, passes: int):
+    """The model's own loss of BATCH without autograd, then `passes` losses of it under instrument, and
+    how many of those came from the shared log-softmax."""
+    with torch.no_grad():
+        own = model(input_ids=BATCH, labels=_labels()).loss
+    inst = llmobs.instrument(model, model_id="tiny-gpt2")
+    try:
+        with torch.no_grad():
+            losses = [model(input_ids=BATCH, labels=_labels()).loss for _ in range(passes)]
+        return own, losses, inst._shared_loss[0].calls
+    finally:
+        inst.remove()
+
+
 def _published(tmp_path) -> dict[str, np.ndarray]:
     with ShmReader(os.getpid(), shm_dir=str(tmp_path)) as reader:
         batch = reader.read_steps(0)
@@ -147,17 +161,8 @@ def test_a_difference_at_the_first_check_turns_sharing_off(monkeypatch, model, f
         return loss + 1e-3, block
 
     monkeypatch.setattr(shared_loss, "_loss_and_block", off_by_a_little)
-    with torch.no_grad():
-        own = model(input_ids=BATCH, labels=_labels()).loss
-    inst = llmobs.instrument(model, model_id="tiny-gpt2")
-    try:
-        with torch.no_grad():
-            first = model(input_ids=BATCH, labels=_labels()).loss
-            second = model(input_ids=BATCH, labels=_labels()).loss
-        assert inst._shared_loss[0].calls == 0
-    finally:
-        inst.remove()
-    assert torch.equal(first, own) and torch.equal(second, own)
+    own, (first, second), calls = _own_then_instrumented(model, passes=2)
+    assert calls == 0 and torch.equal(first, own) and torch.equal(second, own)
     said = shared_loss.status()
     assert said.startswith("off: the shared loss") and "differs from the model's" in said
     assert len(_published(shm)["loss"]) == 2 * 2 * 7  # both passes still published
@@ -168,15 +173,8 @@ def test_a_failure_turns_sharing_off_and_the_model_gets_its_own_loss(monkeypatch
         raise RuntimeError("no buffer")
 
     monkeypatch.setattr(device_math, "labelled_block", broken)
-    with torch.no_grad():
-        own = model(input_ids=BATCH, labels=_labels()).loss
-    inst = llmobs.instrument(model, model_id="tiny-gpt2")
-    try:
-        with torch.no_grad():
-            got = model(input_ids=BATCH, labels=_labels()).loss
-    finally:
-        inst.remove()
-    assert torch.equal(got, own)
+    own, (got,), calls = _own_then_instrumented(model, passes=1)
+    assert calls == 0 and torch.equal(got, own)
     assert shared_loss.status() == "off: the shared loss failed: RuntimeError('no buffer')"
     assert len(_published(shm)["loss"]) == 2 * 7  # published all the same, by the post-hook
 
