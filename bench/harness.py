@@ -232,6 +232,8 @@ class Comparison:
         """The largest half-width, in ratio points, of the shown figures' intervals (inf without one)."""
         widths = [0.0]
         for metric in self.metric_names():
+            if self.baseline is not None and not self.values(self.baseline, metric):
+                continue  # a figure only the other arms have (the agent's CPU): there is no ratio to narrow
             for arm in self.arms:
                 if arm == self.baseline or not self.values(arm, metric):
                     continue

@@ -70,6 +70,23 @@ def test_until_adds_balanced_rounds_until_the_interval_is_narrow_enough() -> Non
     assert [index for index, _ in capped.order] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
 
 
+def test_until_ignores_a_figure_the_baseline_does_not_have() -> None:
+    # the peers figure's "agent CPU" exists only in the agent's arm: it has no ratio, so it must not keep
+    # `until` running to max_rounds while the ratios that exist are already exact
+    def a(ctx) -> dict:
+        return {"x": 1.0}
+
+    def b(ctx) -> dict:
+        return {"x": 1.0, "own": 0.5 + ctx.index}
+
+    arms = [Arm("A", a), Arm("B", b)]
+    made = Report("t", echo=False).compare(
+        "c", arms, rounds=2, until=0.02, metrics=["x", "own"], max_rounds=10
+    )
+    assert len(made.values("B", "x")) == 2
+    assert made.widest() == 0.0
+
+
 def test_summary_is_min_median_max() -> None:
     assert summarize([3.0, 1.0, 2.0, 10.0]) == {"n": 4, "min": 1.0, "median": 2.5, "max": 10.0}
 
