@@ -19,7 +19,8 @@ interval; with --until, rounds are added two at a time until every interval is a
             and of the agent. The steady state: each arm first runs its work --peer-warmup times over
             outside the clock (4-8 s; the agent is attached through it, its governor's first decisions
             come ~3 s after attach). --peer-modes / --peer-threads narrow it; --peer-before TREE adds
-            that tree's agent as "llmobs before"
+            that tree's agent as "llmobs before"; --peer-no-store adds "llmobs, no store" (instrumented +
+            `attach` without --db: the store's share of the agent's cost)
 
 The per-hit probe cost (bench/probes.py --only cost), the governor's measured-vs-budget table
 (bench/governor.py), the agent's CPU per token step by stage (bench/step_cost.py) and the 30-minute soak
@@ -90,6 +91,8 @@ def peers(report: Report, args: argparse.Namespace, imported: dict, rounds: dict
             base = {"model": "smollm2", "mode": mode, "threads": threads, "warmup": warmup, **work}
             arms = [arm(name, args.candidate, "tokens", {**base, **extra}, imported)
                     for name, extra in PEER_ARMS.items()]  # fmt: skip
+            if args.peer_no_store:  # the same agent without the store: what --db adds
+                arms.append(arm("llmobs, no store", args.candidate, "tokens", base, imported))
             if args.peer_before:  # the agent of another tree (the previous commit) beside this one's
                 arms.append(arm("llmobs before", args.peer_before, "tokens", {**base, "db": True}, imported))
             title = f"peers, {mode}, {threads} thread(s)"
@@ -132,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer-before", type=Path,
                         help="peers: also an 'llmobs before' arm, the agent of this tree (a worktree of "
                              "an earlier commit, built): this tree's change, ratio to ratio")  # fmt: skip
+    parser.add_argument("--peer-no-store", action="store_true",
+                        help="peers: also 'llmobs, no store' (`attach` without --db)")  # fmt: skip
     parser.add_argument("--peer-warmup", type=int, default=2,
                         help="peers: the measured work this many times over before the clock")  # fmt: skip
     add_json_option(parser)

@@ -18,6 +18,15 @@ and its summary parsed: the governor's estimate at detach covers the measured ph
 
 Run as root: `.venv/bin/python -m bench.governor [--model tiny|smollm2] [--rounds 3] [--profile all]
 [--json PATH]` (about 4 minutes per model at 3 rounds here; docs/governor.md has a run).
+
+`--attribute` takes the residual apart instead (what costs the workload CPU per token that the estimate
+may not see), interleaved with `none` the same way:
+
+  spin1 spin3   no agent; a SCHED_IDLE process beside the workload waking every 20 ms to spin 1% / 3%
+                of a core (the agent's own CPU as it competes, without its probes or its reads)
+  host0 cpu0    `attach --profile host|cpu --overhead-budget 0`: one profile, nothing shed
+  all1          `attach --profile all --overhead-budget 0.01`: the governed default budget, every probe
+with the agent's own CPU (% of a core) over the measured phase.
 The machine is shared and noisy: read the ratios (bench/harness.py, with 95% intervals), not the
 absolute numbers.
 """
@@ -163,6 +172,54 @@ def one_round(target: Target, config: str, profile: str, warm: int, tokens: int)
     return result
 
 
+SPINNER = """
+import os, sys, time
+period, busy = float(sys.argv[1]), float(sys.argv[2])
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # as the agent runs (runtime/cpu_priority.py)
+while True:
+    time.sleep(period)
+    end = time.thread_time() + busy  # CPU time: a fixed amount of work per wake, as the agent's
+    while time.thread_time() < end:
+        pass
+"""
+SPIN_PERIOD_S = 0.02
+ATTRIBUTION = {"none": None, "spin1": 0.01, "spin3": 0.03, "host0": ("host", "0"), "cpu0": ("cpu", "0"),
+               "all1": ("all", "0.01")}  # fmt: skip
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, all threads (/proc/PID/stat fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def attribution_round(target: Target, config: str, warm: int, tokens: int) -> dict:
+    """One round of an --attribute configuration: the workload's figures, and the agent's CPU over the
+    measured phase (% of a core) where an agent runs."""
+    what, agent, spinner = ATTRIBUTION[config], None, None
+    if isinstance(what, float):
+        busy = SPIN_PERIOD_S * what / (1 - what)
+        spinner = subprocess.Popen([sys.executable, "-c", SPINNER, str(SPIN_PERIOD_S), str(busy)])
+    elif what is not None:
+        agent = Agent(target.pid, *what)
+        agent.wait_for("attached in")
+    try:
+        target.generate(warm)
+        cpu_began, began = (_cpu_seconds(agent.proc.pid) if agent else 0.0), time.perf_counter()
+        rate, cpu_ms = target.generate(tokens)
+        result = {"tokens_per_s": rate, "cpu_ms_per_token": cpu_ms}
+        if agent is not None:
+            spent = _cpu_seconds(agent.proc.pid) - cpu_began
+            result["agent_core_pct"] = spent / (time.perf_counter() - began) * 100
+            agent.stop()
+        return result
+    finally:
+        if spinner is not None:
+            spinner.kill()
+            spinner.wait()
+
+
 def measure_calibration(repeats: int, report: Report) -> None:
     """The class measurement alone (no handlers), in this process, `repeats` times."""
     from llmobs.bpf import calibrate
@@ -231,6 +288,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", default="all", help="attach's --profile (default all: every probe)")
     parser.add_argument("--tokens", type=int, help="measured tokens per round (default: ~5 s of generation)")
+    parser.add_argument(
+        "--attribute", action="store_true", help="take the residual apart: spinners, one profile at a time"
+    )
     add_json_option(parser)
     args = parser.parse_args()
     if args.target:
@@ -240,7 +300,8 @@ def main() -> int:
               file=sys.stderr)  # fmt: skip
         return 4
     report = Report("governor", args)
-    measure_calibration(5, report)
+    if not args.attribute:
+        measure_calibration(5, report)
 
     target = Target(args.model, args.threads)
     shed: dict[str, set[str]] = {name: set() for name in CONFIGS}
@@ -251,6 +312,17 @@ def main() -> int:
         report.note(f"workload {args.model} ({args.threads} thread(s)), pid {target.pid}: {probe_rate:.1f} "
                     f"tokens/s unprobed; rounds of {warm} warm-up + {tokens} measured tokens; "
                     f"profile {args.profile}")  # fmt: skip
+
+        if args.attribute:
+            arms = [Arm(c, lambda ctx, c=c: attribution_round(target, c, warm, tokens)) for c in ATTRIBUTION]
+            report.compare(
+                "the residual taken apart: workload CPU per token, spinners and one profile at a time",
+                arms, args.rounds, baseline="none",
+                better={"tokens_per_s": "higher", "cpu_ms_per_token": "lower"},
+                metrics=["tokens_per_s", "cpu_ms_per_token", "agent_core_pct"],
+            )  # fmt: skip
+            report.finish()
+            return 0
 
         def config_arm(config: str) -> Arm:
             def once(ctx) -> dict[str, float]:
