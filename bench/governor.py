@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from bench.harness import Arm, Report, add_json_option
+from bench.procstat import cpu_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = [sys.executable, "-m", "llmobs.cli", "attach"]
@@ -187,13 +188,6 @@ ATTRIBUTION = {"none": None, "spin1": 0.01, "spin3": 0.03, "host0": ("host", "0"
                "all1": ("all", "0.01")}  # fmt: skip
 
 
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all threads (/proc/PID/stat fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def attribution_round(target: Target, config: str, warm: int, tokens: int) -> dict:
     """One round of an --attribute configuration: the workload's figures, and the agent's CPU over the
     measured phase (% of a core) where an agent runs."""
@@ -206,15 +200,18 @@ def attribution_round(target: Target, config: str, warm: int, tokens: int) -> di
         agent.wait_for("attached in")
     try:
         target.generate(warm)
-        cpu_began, began = (_cpu_seconds(agent.proc.pid) if agent else 0.0), time.perf_counter()
+        cpu_began, began = (cpu_seconds(agent.proc.pid) if agent else 0.0), time.perf_counter()
         rate, cpu_ms = target.generate(tokens)
         result = {"tokens_per_s": rate, "cpu_ms_per_token": cpu_ms}
         if agent is not None:
-            spent = _cpu_seconds(agent.proc.pid) - cpu_began
+            spent = cpu_seconds(agent.proc.pid) - cpu_began
             result["agent_core_pct"] = spent / (time.perf_counter() - began) * 100
             agent.stop()
         return result
     finally:
+        if agent is not None and agent.proc.poll() is None:  # a round that failed: no agent left behind
+            agent.proc.kill()
+            agent.proc.wait()
         if spinner is not None:
             spinner.kill()
             spinner.wait()
