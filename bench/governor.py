@@ -26,7 +26,10 @@ may not see), interleaved with `none` the same way:
                 of a core (the agent's own CPU as it competes, without its probes or its reads)
   host0 cpu0    `attach --profile host|cpu --overhead-budget 0`: one profile, nothing shed
   all1          `attach --profile all --overhead-budget 0.01`: the governed default budget, every probe
-with the agent's own CPU (% of a core) over the measured phase.
+  all1 before   the same with the agent of another tree (`--before TREE`, e.g. a worktree of the previous
+                commit): a governor change measured beside the one before it, in the same rounds
+with the agent's own CPU (% of a core) over the measured phase and, for the governed ones, the governor's
+estimate at detach.
 The machine is shared and noisy: read the ratios (bench/harness.py, with 95% intervals), not the
 absolute numbers.
 """
@@ -43,6 +46,7 @@ import sys
 import time
 from pathlib import Path
 
+from bench.footprint import tree_commit
 from bench.harness import Arm, Report, add_json_option
 from bench.procstat import cpu_seconds
 
@@ -115,12 +119,34 @@ class Target:
         self.proc.wait(timeout=60)
 
 
+def tree_env(tree: Path | None) -> dict[str, str] | None:
+    """The environment that makes a child import `tree`'s llmobs (None: this tree's, the venv's)."""
+    if tree is None:
+        return None
+    paths = [str(tree.resolve() / "agent"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def check_tree(tree: Path) -> None:
+    """SystemExit unless a child with tree_env(tree) imports that tree's llmobs."""
+    done = subprocess.run([sys.executable, "-c", "import llmobs; print(llmobs.__file__)"],
+                          env=tree_env(tree), capture_output=True, text=True)  # fmt: skip
+    if not done.stdout.strip().startswith(str(tree.resolve() / "agent")):
+        imported = done.stdout.strip() or done.stderr.strip()
+        raise SystemExit(
+            f"error: --before {tree}: a child imports {imported}, not {tree}/agent\n"
+            "hint: give a checkout of this repository (git worktree add)"
+        )
+
+
 class Agent:
     """`llmobs-agent attach` on the target; stderr read line by line with bounded waits."""
 
-    def __init__(self, pid: int, profile: str, budget: str):
+    def __init__(self, pid: int, profile: str, budget: str, tree: Path | None = None):
         args = [*AGENT, "--pid", str(pid), "--profile", profile, "--overhead-budget", budget]
-        self.proc = subprocess.Popen(args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            args, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=tree_env(tree)
+        )
         self.text = ""
 
     def wait_for(self, needle: str, timeout: float = 120.0) -> None:
@@ -156,20 +182,25 @@ def one_round(target: Target, config: str, profile: str, warm: int, tokens: int)
     rate, cpu_ms = target.generate(tokens)
     result = {"tokens_per_s": rate, "cpu_ms_per_token": cpu_ms}
     if agent is not None:
-        text = agent.stop()
-        # at detach: the last 5 s window, i.e. the measured phase after the sheds (the run's mean, which
-        # included the minutes before the first shed, read 6% at a 1% budget whose window read 0.2%)
-        result["estimate"] = _percent(r"estimated slowdown at detach ([\d.]+)%, mean", text)
-        if result["estimate"] is None:  # the summary came after the target was untracked: no state there
-            afters = re.findall(r"governor: pid \d+ \S+ \w+: estimated slowdown [\d.]+% -> ([\d.]+)%", text)
-            result["estimate"] = float(afters[-1]) / 100 if afters else None
-        result["shed"] = re.findall(r"\) shed(?:-last)? (\w+):", text)
-        scales = re.findall(r"cost scale [\d.]+ -> ([\d.]+)", text)
-        if scales:
-            result["cost_scale"] = float(scales[-1])
-        calibration = re.search(r"calibration \((\w+), (\d+) ms\)", text)
-        if calibration:
-            result["calibration_ms"] = int(calibration.group(2))
+        result.update(governor_summary(agent.stop()))
+    return result
+
+
+def governor_summary(text: str) -> dict:
+    """From an agent's stderr: the governor's estimate at detach, what it shed, its learned scale."""
+    # at detach: the last 5 s window, i.e. the measured phase after the sheds (the run's mean, which
+    # included the minutes before the first shed, read 6% at a 1% budget whose window read 0.2%)
+    result: dict = {"estimate": _percent(r"estimated slowdown at detach ([\d.]+)%, mean", text)}
+    if result["estimate"] is None:  # the summary came after the target was untracked: no state there
+        afters = re.findall(r"governor: pid \d+ \S+ \w+: estimated slowdown [\d.]+% -> ([\d.]+)%", text)
+        result["estimate"] = float(afters[-1]) / 100 if afters else None
+    result["shed"] = re.findall(r"\) shed(?:-last)? (\w+):", text)
+    scales = re.findall(r"cost scale [\d.]+ -> ([\d.]+)", text)
+    if scales:
+        result["cost_scale"] = float(scales[-1])
+    calibration = re.search(r"calibration \((\w+), (\d+) ms\)", text)
+    if calibration:
+        result["calibration_ms"] = int(calibration.group(2))
     return result
 
 
@@ -186,17 +217,18 @@ while True:
 SPIN_PERIOD_S = 0.02
 ATTRIBUTION = {"none": None, "spin1": 0.01, "spin3": 0.03, "host0": ("host", "0"), "cpu0": ("cpu", "0"),
                "all1": ("all", "0.01")}  # fmt: skip
+BEFORE = "all1 before"  # all1 with the --before tree's agent
 
 
-def attribution_round(target: Target, config: str, warm: int, tokens: int) -> dict:
+def attribution_round(target: Target, config: str, warm: int, tokens: int, before: Path | None) -> dict:
     """One round of an --attribute configuration: the workload's figures, and the agent's CPU over the
-    measured phase (% of a core) where an agent runs."""
-    what, agent, spinner = ATTRIBUTION[config], None, None
+    measured phase (% of a core) and its governor's estimate at detach where an agent runs."""
+    what, agent, spinner = ATTRIBUTION[config if config != BEFORE else "all1"], None, None
     if isinstance(what, float):
         busy = SPIN_PERIOD_S * what / (1 - what)
         spinner = subprocess.Popen([sys.executable, "-c", SPINNER, str(SPIN_PERIOD_S), str(busy)])
     elif what is not None:
-        agent = Agent(target.pid, *what)
+        agent = Agent(target.pid, *what, tree=before if config == BEFORE else None)
         agent.wait_for("attached in")
     try:
         target.generate(warm)
@@ -206,7 +238,9 @@ def attribution_round(target: Target, config: str, warm: int, tokens: int) -> di
         if agent is not None:
             spent = cpu_seconds(agent.proc.pid) - cpu_began
             result["agent_core_pct"] = spent / (time.perf_counter() - began) * 100
-            agent.stop()
+            summary = governor_summary(agent.stop())
+            if what[1] != "0" and summary["estimate"] is not None:
+                result["estimate_pct"] = summary["estimate"] * 100
         return result
     finally:
         if agent is not None and agent.proc.poll() is None:  # a round that failed: no agent left behind
@@ -288,6 +322,12 @@ def main() -> int:
     parser.add_argument(
         "--attribute", action="store_true", help="take the residual apart: spinners, one profile at a time"
     )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        metavar="TREE",
+        help="--attribute: also 'all1 before', the agent of TREE (a checkout of this repo)",
+    )
     add_json_option(parser)
     args = parser.parse_args()
     if args.target:
@@ -296,6 +336,10 @@ def main() -> int:
         print("error: run as root (attach needs it)\nhint: sudo .venv/bin/python -m bench.governor",
               file=sys.stderr)  # fmt: skip
         return 4
+    if args.before is not None:
+        if not args.attribute:
+            raise SystemExit("error: --before needs --attribute\nhint: add --attribute")
+        check_tree(args.before)
     report = Report("governor", args)
     if not args.attribute:
         measure_calibration(5, report)
@@ -311,12 +355,16 @@ def main() -> int:
                     f"profile {args.profile}")  # fmt: skip
 
         if args.attribute:
-            arms = [Arm(c, lambda ctx, c=c: attribution_round(target, c, warm, tokens)) for c in ATTRIBUTION]
+            configs = [*ATTRIBUTION, *([BEFORE] if args.before else [])]
+            if args.before:
+                report.note(f"{BEFORE}: the agent of {args.before} ({tree_commit(args.before)})")
+            arms = [Arm(c, lambda ctx, c=c: attribution_round(target, c, warm, tokens, args.before))
+                    for c in configs]  # fmt: skip
             report.compare(
                 "the residual taken apart: workload CPU per token, spinners and one profile at a time",
                 arms, args.rounds, baseline="none",
                 better={"tokens_per_s": "higher", "cpu_ms_per_token": "lower"},
-                metrics=["tokens_per_s", "cpu_ms_per_token", "agent_core_pct"],
+                metrics=["tokens_per_s", "cpu_ms_per_token", "agent_core_pct", "estimate_pct"],
             )  # fmt: skip
             report.finish()
             return 0

@@ -92,6 +92,68 @@ def test_the_scale_is_learned_from_what_a_shed_changed(true_scale: float) -> Non
     assert any("cost scale 2.30 ->" in line for line in lines)
 
 
+class TwoCoreSession(StepSession):
+    """A workload keeping two cores busy whose probed calls are on one thread. `stalled`: the other
+    thread waits for each trap at the next barrier, spinning (a torch intra-op pool): every hit costs
+    two cores' time. Not stalled: the threads are independent, a hit costs its own thread only."""
+
+    def __init__(self, rates, costs_ns, true_scale: float, stalled: bool):
+        super().__init__(rates, costs_ns, true_scale, busy=2.0)
+        self.stalled = stalled
+
+    def advance(self, seconds: float) -> None:
+        before = self.cpu
+        super().advance(seconds)
+        if self.stalled:  # the waiting core spins as long as the trap lasts
+            self.cpu += self.cpu - before - self.busy * seconds
+
+
+def test_a_hit_that_stalls_the_other_core_is_weighed_on_one_cores_work() -> None:
+    """alloc_cpu at 15,000/s x 1 us: 1.5% of the issuing thread's time, and the same 1.5% of the whole
+    workload's wall clock when the other core waits for it. The estimate says 1.5% (over the 1% budget,
+    shed), not 1.5% of two cores' work (0.75%, under it: what the governor said before the stall term)."""
+    session = TwoCoreSession({"alloc_cpu": 15_000.0}, {"alloc_cpu": 1000.0}, 1.0, stalled=True)
+    governor, lines = make(session, 0.01, cost_scale=1.0)
+    decisions = drive(governor, session, 3)
+    assert [(d.action, d.probe) for d in decisions] == [("shed-last", "alloc_cpu")], lines
+    assert decisions[0].before == pytest.approx(0.015, rel=0.02)
+    assert governor.targets[session.pid].stall == pytest.approx(2.0, rel=0.02)
+    assert governor.snapshot()["targets"][str(session.pid)]["stall_cores"] == pytest.approx(2.0, rel=0.02)
+
+
+def test_one_busy_core_is_not_stalled() -> None:
+    from llmobs.governor.governor import stall_cores
+
+    assert stall_cores(0.03, 1.03) == 1.0  # a core's work plus its traps
+    assert stall_cores(0.0, 0.4) == 1.0  # a mostly idle workload
+    assert stall_cores(0.015, 2.03) == pytest.approx(2.0)  # two cores: each trap counted on both
+    assert stall_cores(-1.0, 4.0) == 4.0
+
+
+@pytest.mark.parametrize("stalled", [True, False])
+def test_the_scale_is_learned_against_the_stalled_prediction(stalled: bool) -> None:
+    """At two busy cores the governor predicts each shed's change as the hits' cost on both. Where the
+    other core does wait (stalled), the scale it learns is the per-hit factor itself (1.2, not 2.4);
+    where it does not, the scale comes down to about half of it, so the estimate stops doubling."""
+    true_scale = 1.2
+    rates, costs = {"alloc_cpu": 40_000.0, "linear": 4_000.0}, {"alloc_cpu": 1000.0, "linear": 700.0}
+    session = TwoCoreSession(rates, costs, true_scale, stalled)
+    governor, lines = make(session, 0.01, window_s=5.0, hold_s=10.0, min_interval_s=5.0, cost_scale=2.3)
+    t = 0
+    for _cycle in range(5):
+        for budget in (0.01, 1.0):
+            governor.set_budget(budget)
+            drive(governor, session, 30, t)
+            t += 30
+    target = governor.targets[session.pid]
+    # not stalled: the observed change is one core's, the prediction two cores' (stall = busy / (1 + traps))
+    expected = true_scale if stalled else true_scale / 2
+    unstalled_model = true_scale * 2 if stalled else true_scale  # what learning without the stall gives
+    assert target.learned, lines
+    assert abs(target.scale - expected) < abs(2.3 - expected) / 2, (target.scale, lines)
+    assert abs(target.scale - expected) < abs(target.scale - unstalled_model), (target.scale, lines)
+
+
 def test_no_learning_without_token_steps() -> None:
     session = SyntheticSession({"alloc_cpu": 20_000.0}, {"alloc_cpu": 1000.0})  # step 7 forever
     governor, _ = make(session, 0.01, cost_scale=2.3)

@@ -333,12 +333,13 @@ def _print_governor(governor, session, state: dict | None, stream) -> None:
     """What the governor did, when (seconds after attach), and its estimate at the end (`state`: the
     target's state as the runtime read it just before the governor forgot the target)."""
     state = state or governor.target_state(session.pid) or {}
-    mean = state.get("mean_estimate")
+    mean, stall = state.get("mean_estimate"), state.get("stall_cores", 1.0)
     decisions = [d for d in governor.decisions if d.pid == session.pid]
     print(
         f"governor (budget {governor.budget:.2%}): {len(decisions)} decision(s); estimated slowdown at "
         f"detach {state.get('estimate', 0.0):.2%}"
         + (f", mean {mean:.2%}" if mean is not None else "")
+        + (f"; each hit stalls {stall:.1f} busy cores" if stall > 1.05 else "")
         + (f"; shed at detach: {', '.join(state['shed'])}" if state.get("shed") else ""),
         file=stream,
     )

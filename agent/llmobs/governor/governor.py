@@ -32,7 +32,22 @@ Everything the agent costs the workload is counted: the uprobes' traps, the host
 and, when the cores are contended, the agent's own CPU (llmobs.governor.contention: the workload's
 runqueue wait shared out by who held the cores), spread over the probes by hit rate:
 
-    overhead = sum(rate_i * (cost_i * scale + agent_per_hit))
+    overhead = sum(rate_i * (cost_i * scale * stall + agent_per_hit))
+
+`stall` is how many of the workload's cores one hit holds up. A torch workload at N intra-op threads keeps
+N cores busy, and its threads meet at a barrier after every parallel op: a trap on the thread that issues
+the ops (where the allocator, the GEMM entry points and the token loop's probes fire) stops the others
+too, spinning or sleeping until it returns. Its wall-clock cost is then the trap's time over one core's
+work, not over N: SmolLM2 at 2 threads measured 2.6% slower with every probe under a 1% budget the
+estimate without this term said it kept (docs/governor.md, session 20). So
+
+    stall = max(1, busy / (1 + traps))     the workload's own work in cores (traps = sum(rate_i * cost_i *
+                                           scale) cores, each also held up on the stall - 1 others)
+
+1 for a workload that keeps at most one core busy (the estimate is as before), N for one that keeps N
+cores busy. Hits spread over independent threads stall nothing beyond their own: there the estimate is
+N times too high until the governor's first shed, whose observed change (learned against the stalled
+prediction) brings `scale` down by the same factor.
 
 A uprobe is shed by detaching it (AttachSession.shed_probe); a tracepoint, which one program shares
 among all its targets, by its switch word in the kernel (ProbeProgram.set_probe_enabled): off while any
@@ -123,6 +138,13 @@ def slowdown(overhead: float, useful: float) -> float:
     return min(overhead / max(useful, 1e-9), MAX_SLOWDOWN)
 
 
+def stall_cores(traps: float, busy: float) -> float:
+    """The workload's cores a probe hit holds up: its own work in cores (its busy cores less the traps,
+    counted once on the trapping thread and once on each core that waits), at least 1. `traps`: the
+    active probes' scaled per-hit cost times their rates, in cores, before any stall."""
+    return max(1.0, busy / (1.0 + max(traps, 0.0)))
+
+
 def probe_bound(overhead: float, busy: float) -> bool:
     """The probes' estimated cost is (nearly) all of the workload's CPU: the estimate is floored/clamped."""
     return busy - overhead <= MIN_USEFUL_SHARE * busy
@@ -177,6 +199,7 @@ class _Target:
     wait: float = 0.0  # the workload's runqueue wait over the window (cores' worth)
     agent_cores: float = 0.0  # the agent's CPU competing with this workload (contention.agent_share)
     agent_per_hit_s: float = 0.0  # ... spread over every hit the agent handles
+    stall: float = 1.0  # the workload's cores one hit holds up (stall_cores), this tick
     ready: bool = False  # this tick's sample spans enough of a window
     last_action_s: float = -1e18  # the last shed or restore (a learning window must not straddle one)
     pending: learning.Pending | None = None
@@ -442,9 +465,9 @@ class Governor:
             target.agent_per_hit_s = target.agent_cores / hits if hits > 0 else 0.0
 
     def _cost_s(self, target: _Target, name: str) -> float:
-        """What one hit of `name` costs the workload: its scaled calibrated cost plus its share of the
-        agent's competing CPU."""
-        return target.costs[name].cost_ns * 1e-9 * target.scale + target.agent_per_hit_s
+        """What one hit of `name` costs the workload: its scaled calibrated cost on each core it holds
+        up, plus its share of the agent's competing CPU."""
+        return target.costs[name].cost_ns * 1e-9 * target.scale * target.stall + target.agent_per_hit_s
 
     def _overhead(self, target: _Target, names) -> float:
         return sum(target.rates.get(n, 0.0) * self._cost_s(target, n) for n in names if n in target.costs)
@@ -479,7 +502,7 @@ class Governor:
             return
         first_t, _counts, first_cpu, first_steps, _wait = target.samples[0]
         _t, _counts, cpu, steps, _wait = target.samples[-1]
-        unscaled = sum(rate * target.costs[n].cost_ns * 1e-9 for n, rate in switched.items())
+        unscaled = target.stall * sum(rate * target.costs[n].cost_ns * 1e-9 for n, rate in switched.items())
         target.pending = learning.Pending(
             now_s, sign, unscaled / target.step_rate,
             learning.Window(cpu - first_cpu, steps - first_steps), cpu, steps,
@@ -499,6 +522,8 @@ class Governor:
         if not governed:
             return []
         active = [n for n in governed if n not in target.shed]
+        traps = sum(target.rates.get(n, 0.0) * target.costs[n].cost_ns * 1e-9 * target.scale for n in active)
+        target.stall = stall_cores(traps, target.busy)
         overhead = self._overhead(target, active)
         # the hits are charged to the workload's busy time, the agent's competing CPU is not (it is wait)
         in_busy = overhead - target.agent_per_hit_s * sum(target.rates.get(n, 0.0) for n in active)
@@ -636,6 +661,7 @@ class Governor:
             "mean_estimate": target.estimate_sum / target.estimate_weight if target.estimate_weight else None,
             "busy_cores": target.busy,
             "cost_scale": round(target.scale, 3),
+            "stall_cores": round(target.stall, 2),
             "learned": list(target.learned),
             "step_rate": round(target.step_rate, 2),
             "agent_cores": round(target.agent_cores, 4),

@@ -5,7 +5,8 @@ trap path with cold caches, the workload's own code slower after each trap) by a
 on the workload and the host. The governor starts from a prior (DEFAULT_COST_SCALE) and corrects it
 each time one of its own actions gives a clean before/after:
 
-    predicted = the calibrated (unscaled) CPU per token step of the probes the action switched
+    predicted = the calibrated (unscaled) CPU per token step of the probes the action switched, times
+                the cores each hit holds up (the governor's stall: a waiting thread's spin is CPU too)
     observed  = the workload's CPU per step over a window before the action, minus over a window after
                 (after minus before for a restore)
     sample    = observed / predicted, clipped to [SCALE_MIN, SCALE_MAX]
@@ -48,7 +49,7 @@ class Pending:
 
     at_s: float
     sign: float  # +1: a shed (CPU per step should fall), -1: a restore (it should rise)
-    predicted_per_step: float  # calibrated (unscaled) CPU seconds per step of the switched probes
+    predicted_per_step: float  # calibrated (unscaled) CPU seconds per step of the switched probes, stalled
     before: Window
     cpu_at: float  # the workload's CPU and step counters at the action
     steps_at: float
