@@ -34,6 +34,11 @@ runqueue wait shared out by who held the cores), spread over the probes by hit r
 
     overhead = sum(rate_i * (cost_i * scale * stall + agent_per_hit))
 
+`cost_i` is the probe's calibrated cost beyond what the probes staying attached already pay: uprobes at
+the same address share one breakpoint (the kernel runs every consumer's handler on one trap), so a
+second entry probe there (`thread_span` on `linear`'s site) costs its handler only, cost_ns - empty_ns,
+and shedding it saves no more; the trap goes with the last probe at the site (marginal_ns).
+
 `stall` is how many of the workload's cores one hit holds up. A torch workload at N intra-op threads keeps
 N cores busy, and its threads meet at a barrier after every parallel op: a trap on the thread that issues
 the ops (where the allocator, the GEMM entry points and the token loop's probes fire) stops the others
@@ -112,7 +117,7 @@ class Decision:
     after: float  # ... and after it
     reason: str
     rate_hz: float  # the probe's hit rate (measured, or projected for a restore)
-    cost_ns: float
+    cost_ns: float  # its calibrated cost beside the probes staying attached (marginal_ns)
 
     def line(self) -> str:
         return (
@@ -136,6 +141,21 @@ def slowdown(overhead: float, useful: float) -> float:
     if overhead <= 0:
         return 0.0
     return min(overhead / max(useful, 1e-9), MAX_SLOWDOWN)
+
+
+def marginal_ns(costs: dict[str, calibrate.ProbeCost], name: str, staying) -> float:
+    """A hit of `name`'s calibrated cost beyond what the probes `staying` attached pay: its handler only
+    (cost_ns - empty_ns) where one of them is an entry uprobe at the same address (one breakpoint, one
+    trap for every consumer), else all of cost_ns."""
+    cost = costs[name]
+    if cost.site_class == "tracepoint" or cost.legs != "entry":
+        return cost.cost_ns
+    for other in staying:
+        mate = costs.get(other) if other != name else None
+        shares = mate is not None and mate.site == cost.site and mate.site_class != "tracepoint"
+        if shares and mate.legs == "entry":
+            return max(cost.cost_ns - cost.empty_ns, 0.0)
+    return cost.cost_ns
 
 
 def stall_cores(traps: float, busy: float) -> float:
@@ -464,13 +484,25 @@ class Governor:
             )
             target.agent_per_hit_s = target.agent_cores / hits if hits > 0 else 0.0
 
-    def _cost_s(self, target: _Target, name: str) -> float:
-        """What one hit of `name` costs the workload: its scaled calibrated cost on each core it holds
-        up, plus its share of the agent's competing CPU."""
-        return target.costs[name].cost_ns * 1e-9 * target.scale * target.stall + target.agent_per_hit_s
+    def _cost_s(self, target: _Target, name: str, staying) -> float:
+        """What one hit of `name` costs the workload beside the probes `staying` attached: its scaled
+        calibrated cost (marginal_ns) on each core it holds up, plus its share of the agent's CPU."""
+        ns = marginal_ns(target.costs, name, staying)
+        return ns * 1e-9 * target.scale * target.stall + target.agent_per_hit_s
+
+    @staticmethod
+    def _calibrated(target: _Target, names: list[str]) -> float:
+        """The probes `names` together at their calibrated costs, unscaled (CPU-s per s): a shared site's
+        trap is counted once, on the first of them."""
+        costs = target.costs
+        return sum(
+            target.rates.get(n, 0.0) * marginal_ns(costs, n, names[:i]) * 1e-9 for i, n in enumerate(names)
+        )
 
     def _overhead(self, target: _Target, names) -> float:
-        return sum(target.rates.get(n, 0.0) * self._cost_s(target, n) for n in names if n in target.costs)
+        names = [n for n in names if n in target.costs]
+        agent = target.agent_per_hit_s * sum(target.rates.get(n, 0.0) for n in names)
+        return self._calibrated(target, names) * target.scale * target.stall + agent
 
     # ---- learning the in-situ scale -------------------------------------------------------------------
     def _learn(self, target: _Target, now_s: float, cpu: float, steps: float) -> None:
@@ -492,9 +524,10 @@ class Governor:
             f"{after.cpu_per_step * 1e3:.3f} ms)"
         )
 
-    def _observe(self, target: _Target, now_s: float, sign: float, switched: dict[str, float]) -> None:
-        """Starts an observation of an action that switched `switched` (probe -> its rate), if its before
-        window is clean (no other action in it) and the workload makes token steps."""
+    def _observe(self, target: _Target, now_s: float, sign: float, switched: dict[str, tuple]) -> None:
+        """Starts an observation of an action that switched `switched` (probe -> its rate and its marginal
+        calibrated cost, ns), if its before window is clean (no other action in it) and the workload
+        makes token steps."""
         clean = now_s - target.last_action_s >= self.window_s and target.pending is None
         target.pending = None  # an action inside a pending observation's window spoils it
         target.last_action_s = now_s
@@ -502,7 +535,7 @@ class Governor:
             return
         first_t, _counts, first_cpu, first_steps, _wait = target.samples[0]
         _t, _counts, cpu, steps, _wait = target.samples[-1]
-        unscaled = target.stall * sum(rate * target.costs[n].cost_ns * 1e-9 for n, rate in switched.items())
+        unscaled = target.stall * sum(rate * ns * 1e-9 for rate, ns in switched.values())
         target.pending = learning.Pending(
             now_s, sign, unscaled / target.step_rate,
             learning.Window(cpu - first_cpu, steps - first_steps), cpu, steps,
@@ -522,8 +555,7 @@ class Governor:
         if not governed:
             return []
         active = [n for n in governed if n not in target.shed]
-        traps = sum(target.rates.get(n, 0.0) * target.costs[n].cost_ns * 1e-9 * target.scale for n in active)
-        target.stall = stall_cores(traps, target.busy)
+        target.stall = stall_cores(self._calibrated(target, active) * target.scale, target.busy)
         overhead = self._overhead(target, active)
         # the hits are charged to the workload's busy time, the agent's competing CPU is not (it is wait)
         in_busy = overhead - target.agent_per_hit_s * sum(target.rates.get(n, 0.0) for n in active)
@@ -539,9 +571,8 @@ class Governor:
         decisions = []
         useful = target.useful  # unchanged by shedding: a shed probe's share leaves busy and overhead alike
         busy_left = target.busy  # the busy time expected without the probes shed so far (for restores)
-        by_weight = sorted(
-            active, key=lambda n: target.rates.get(n, 0.0) * target.costs[n].cost_ns, reverse=True
-        )
+        weight = {n: target.rates.get(n, 0.0) * marginal_ns(target.costs, n, active) for n in active}
+        by_weight = sorted(active, key=weight.__getitem__, reverse=True)
         remaining = list(active)
         for name in by_weight:
             if slowdown(overhead, useful) <= self.budget:
@@ -550,7 +581,9 @@ class Governor:
             if rate <= 0:
                 continue
             before = slowdown(overhead, useful)
-            part = rate * self._cost_s(target, name)
+            staying = [n for n in remaining if n != name]
+            ns = marginal_ns(target.costs, name, staying)
+            part = rate * self._cost_s(target, name, staying)
             after = slowdown(max(overhead - part, 0.0), useful)
             last = len(remaining) == 1
             action = "shed-last" if last else "shed"
@@ -573,7 +606,7 @@ class Governor:
                 ok, reason = False, f"{reason}; detach failed: {exc}"
             if not ok:
                 decisions.append(
-                    self._decision(now_s, target, name, "shed-failed", before, before, reason, rate)
+                    self._decision(now_s, target, name, "shed-failed", before, before, reason, rate, ns)
                 )
                 continue
             restored = target.restored_at.get(name)
@@ -585,9 +618,9 @@ class Governor:
             target.calm_since.pop(name, None)
             remaining.remove(name)
             overhead = max(overhead - part, 0.0)
-            decisions.append(self._decision(now_s, target, name, action, before, after, reason, rate))
+            decisions.append(self._decision(now_s, target, name, action, before, after, reason, rate, ns))
         target.estimate = slowdown(overhead, useful)
-        switched = {d.probe: d.rate_hz for d in decisions if d.action in ("shed", "shed-last")}
+        switched = {d.probe: (d.rate_hz, d.cost_ns) for d in decisions if d.action in ("shed", "shed-last")}
         if switched:
             self._observe(target, now_s, +1.0, switched)
         return decisions
@@ -597,11 +630,10 @@ class Governor:
         if not target.shed or now_s - target.last_restore_s < max(self.min_interval_s, self.window_s):
             return []
         projected = {name: self._projected_rate(target, name) for name in target.shed}
-        order = sorted(
-            target.shed, key=lambda n: (projected[n] * target.costs[n].cost_ns, target.costs[n].cost_ns)
-        )
+        marginal = {name: marginal_ns(target.costs, name, active) for name in target.shed}
+        order = sorted(target.shed, key=lambda n: (projected[n] * marginal[n], marginal[n]))
         for name in order:
-            part = projected[name] * self._cost_s(target, name)
+            part = projected[name] * self._cost_s(target, name, active)
             with_it = slowdown(overhead + part, target.useful)
             if with_it > self.restore_below * self.budget:
                 target.calm_since.pop(name, None)
@@ -619,21 +651,25 @@ class Governor:
                 ok, reason = False, f"re-attach failed: {exc}"
             if not ok:
                 target.last_change[name] = now_s  # do not retry at once
-                return [self._decision(now_s, target, name, "restore-failed", before, before, reason, 0.0)]
+                return [
+                    self._decision(
+                        now_s, target, name, "restore-failed", before, before, reason, 0.0, marginal[name]
+                    )
+                ]
             del target.shed[name]
             target.calm_since.pop(name, None)
             target.last_change[name] = now_s
             target.restored_at[name] = now_s
             target.last_restore_s = now_s
             target.estimate = with_it
-            self._observe(target, now_s, -1.0, {name: projected[name]})
-            return [self._decision(now_s, target, name, "restore", before, with_it, reason, projected[name])]
+            self._observe(target, now_s, -1.0, {name: (projected[name], marginal[name])})
+            rate, ns = projected[name], marginal[name]
+            return [self._decision(now_s, target, name, "restore", before, with_it, reason, rate, ns)]
         return []
 
-    def _decision(self, now_s, target, name, action, before, after, reason, rate) -> Decision:
+    def _decision(self, now_s, target, name, action, before, after, reason, rate, cost_ns) -> Decision:
         return Decision(
-            now_s, time.strftime("%H:%M:%S"), target.pid, name, action, before, after, reason, rate,
-            target.costs[name].cost_ns,
+            now_s, time.strftime("%H:%M:%S"), target.pid, name, action, before, after, reason, rate, cost_ns,
         )  # fmt: skip
 
     # ---- reporting ----------------------------------------------------------------------------------
