@@ -49,6 +49,7 @@ from pathlib import Path
 from bench.footprint import tree_commit
 from bench.harness import Arm, Report, add_json_option
 from bench.procstat import cpu_seconds
+from bench.runtime import tree_pythonpath
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = [sys.executable, "-m", "llmobs.cli", "attach"]
@@ -121,10 +122,7 @@ class Target:
 
 def tree_env(tree: Path | None) -> dict[str, str] | None:
     """The environment that makes a child import `tree`'s llmobs (None: this tree's, the venv's)."""
-    if tree is None:
-        return None
-    paths = [str(tree.resolve() / "agent"), *filter(None, [os.environ.get("PYTHONPATH")])]
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    return None if tree is None else {**os.environ, "PYTHONPATH": tree_pythonpath(tree)}
 
 
 def check_tree(tree: Path) -> None:

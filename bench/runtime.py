@@ -75,9 +75,15 @@ def ensure_baseline(path: Path, commit: str = BEFORE_COMMIT) -> Path:
     return path
 
 
+def tree_pythonpath(tree: Path) -> str:
+    """PYTHONPATH with `tree`'s agent package first: a child imports that tree's llmobs, not the venv's
+    editable install."""
+    return os.pathsep.join([str(tree.resolve() / "agent"), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def arm(name: str, tree: Path, figure: str, opts: dict, imported_from: dict[str, str]) -> Command:
     agent = str(tree.resolve() / "agent")
-    env = {"PYTHONPATH": os.pathsep.join([agent, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    env = {"PYTHONPATH": tree_pythonpath(tree)}
     # cwd = this repository: `-m bench.runtime_arm` is found there; it has no llmobs of its own at the top
     argv = [sys.executable, "-m", "bench.runtime_arm", figure, json.dumps({**opts, "tree": str(tree)})]
 

@@ -484,10 +484,10 @@ class Governor:
             )
             target.agent_per_hit_s = target.agent_cores / hits if hits > 0 else 0.0
 
-    def _cost_s(self, target: _Target, name: str, staying) -> float:
-        """What one hit of `name` costs the workload beside the probes `staying` attached: its scaled
-        calibrated cost (marginal_ns) on each core it holds up, plus its share of the agent's CPU."""
-        ns = marginal_ns(target.costs, name, staying)
+    @staticmethod
+    def _cost_s(target: _Target, ns: float) -> float:
+        """What one hit costs the workload: its calibrated cost `ns` (marginal_ns), scaled, on each core
+        it holds up, plus its share of the agent's competing CPU."""
         return ns * 1e-9 * target.scale * target.stall + target.agent_per_hit_s
 
     @staticmethod
@@ -581,9 +581,8 @@ class Governor:
             if rate <= 0:
                 continue
             before = slowdown(overhead, useful)
-            staying = [n for n in remaining if n != name]
-            ns = marginal_ns(target.costs, name, staying)
-            part = rate * self._cost_s(target, name, staying)
+            ns = marginal_ns(target.costs, name, [n for n in remaining if n != name])
+            part = rate * self._cost_s(target, ns)
             after = slowdown(max(overhead - part, 0.0), useful)
             last = len(remaining) == 1
             action = "shed-last" if last else "shed"
@@ -633,7 +632,7 @@ class Governor:
         marginal = {name: marginal_ns(target.costs, name, active) for name in target.shed}
         order = sorted(target.shed, key=lambda n: (projected[n] * marginal[n], marginal[n]))
         for name in order:
-            part = projected[name] * self._cost_s(target, name, active)
+            part = projected[name] * self._cost_s(target, marginal[name])
             with_it = slowdown(overhead + part, target.useful)
             if with_it > self.restore_below * self.budget:
                 target.calm_since.pop(name, None)
