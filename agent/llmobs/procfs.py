@@ -108,8 +108,13 @@ class ProcFS:
         except PermissionError as exc:
             raise AccessDenied(f"cannot read {self._path(pid, 'exe')}") from exc
 
-    def maps(self, pid: int) -> list[MapEntry]:
-        return parse_maps(self._read(pid, "maps"))
+    def maps(self, pid: int, containing: str | None = None) -> list[MapEntry]:
+        """The process's mappings; with `containing`, only the lines that contain it (a torch process
+        has thousands of mappings: parsing them all took ~20 ms, where the text's scan takes ~1)."""
+        text = self._read(pid, "maps")
+        if containing is not None:
+            text = "\n".join(line for line in text.splitlines() if containing in line)
+        return parse_maps(text)
 
     def threads(self, pid: int) -> list[int]:
         try:

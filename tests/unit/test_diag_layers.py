@@ -87,6 +87,27 @@ def test_mlp_variance_matches_a_reference_computed_by_hand(shm):
     assert modules == [(2, 0, "transformer.h.0.mlp"), (2, 1, "transformer.h.1.mlp")]
 
 
+def test_a_layer_read_with_nothing_new_reads_nothing_and_a_restarted_writer_is_still_caught(shm):
+    """read_layers at the head returns no rows and the same cursor (the fast path of a target without
+    layer streams) with the columns the full path gives; a cursor past the head is still an error."""
+    model = _tiny()
+    inst = llmobs.instrument(model, model_id="tiny", mlp_variance=MlpVariance(every=1))
+    model.generate(torch.randint(1, 256, (1, PROMPT_LEN)), max_new_tokens=2, min_new_tokens=2,
+                   do_sample=False, pad_token_id=0)  # fmt: skip
+    inst.remove()
+    from llmobs.shm.reader import MalformedMap
+
+    with ShmReader(os.getpid(), shm_dir=str(shm)) as r:
+        full = r.read_layers(0)
+        assert len(full) > 0
+        again = r.read_layers(full.next_cursor)
+        assert len(again) == 0 and again.next_cursor == full.next_cursor and again.lost == again.corrupt == 0
+        assert {k: (type(v), getattr(v, "dtype", None)) for k, v in again.columns.items()} == {
+            k: (type(v), getattr(v, "dtype", None)) for k, v in full.columns.items()}  # fmt: skip
+        with pytest.raises(MalformedMap, match="writer restarted"):
+            r.read_layers(full.next_cursor + 1)
+
+
 def test_layer_streams_policy_switches_both_and_unsampled_passes_install_nothing(shm):
     model = _tiny()
     inst = llmobs.instrument(model, model_id="tiny", layer_streams=LayerStreams(every=3))

@@ -339,7 +339,9 @@ class AttachSession:
         try:
             if force or now >= self._next_maps:
                 self._next_maps = now + MAPS_REFRESH_S[bool(self.cell_address)]
-                entries = self.procfs.maps(self.pid)
+                # the map (/dev/shm/llmobs.N) and the thread-context library (libllmobs_...) are all
+                # these look for
+                entries = self.procfs.maps(self.pid, containing="llmobs")
                 address = find_context_cell(self.pid, entries, ctx_offset())
                 threads = find_thread_registry(self.pid, entries) if address else 0
                 # the map or the thread-context library appeared (or changed) after we attached
