@@ -7,7 +7,8 @@ target publishes token steps; after a warm-up, a window of --seconds is measured
   - token steps: the `tokens` count of the agent's own `top` snapshot file (its LLMOBS_RUN_DIR is a
     temporary directory here) at the same two moments, so the steps are those the agent took in;
   - by stage (trees that have llmobs.stagecpu): the snapshot's agent.stage_cpu, diffed the same way.
-Figures: agent CPU us per token step (and by stage), % of a core, steps/s taken in.
+Figures: agent CPU us per token step (and by stage), % of a core, steps/s taken in, and the drop
+counters at the window's end by group (`drop_figures`: map lapped, map rejected, kernel, store and sinks).
 
 Loads: the synthetic publisher (bench/synthetic_publisher.py: the real map writer, --batch rows per
 forward pass) at each --rates (default 1000, 5000, 20000 steps/s), the tiny model generating
@@ -49,6 +50,27 @@ REPO = Path(__file__).resolve().parents[1]
 BASELINE_COMMIT = "6bfae97"
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
 BETTER = {"us/step": "lower", "% core": "lower", "steps/s": "higher"}
+
+
+# The agent's drop counters (Pipeline.drops, in its `top` snapshot) in the groups a reader acts on: the
+# map's ring lapped (the agent fell behind the workload), steps the map rejected or its writer dropped,
+# the kernel's ring and aggregate map, and the store with its sinks (every other counter).
+DROP_GROUPS = {
+    "map lapped": ("map_lost",),
+    "map rejected": ("map_corrupt", "map_writer_dropped"),
+    "kernel": ("ring_drops", "agg_overflow"),
+}
+
+
+def drop_figures(drops: dict[str, int]) -> dict[str, int]:
+    """The total (`agent: drops`) and each group's part of it."""
+    figures = {"agent: drops": sum(drops.values())}
+    grouped: set[str] = set()
+    for name, counters in DROP_GROUPS.items():
+        figures[f"drops: {name}"] = sum(drops.get(c, 0) for c in counters)
+        grouped.update(counters)
+    figures["drops: store and sinks"] = sum(v for k, v in drops.items() if k not in grouped)
+    return figures
 
 
 def tree_env(tree: Path, run_dir: str) -> dict:
@@ -168,7 +190,7 @@ def measure(tree: Path, load: str, opts: dict) -> dict:
             spent = seconds - before["stages"].get(stage, 0.0)
             if stage != "other":
                 figures[f"us/step {stage}"] = spent * 1e6 / steps
-        figures["agent: drops"] = sum((last.get("drops") or {}).values())
+        figures.update(drop_figures(last.get("drops") or {}))
     if "Traceback" in err:
         raise BenchError(f"attach printed a traceback: {err[-2000:]}")
     return figures

@@ -202,3 +202,14 @@ def test_fmt_keeps_four_significant_figures_without_exponents() -> None:
     assert fmt(12.3456) == "12.35"
     assert fmt(0.0123456) == "0.01235"
     assert fmt(0.0) == "0"
+
+
+def test_step_cost_names_each_drop_counter_group_and_they_add_up_to_the_total() -> None:
+    from bench.step_cost import drop_figures
+
+    drops = {"map_lost": 7, "map_corrupt": 1, "map_writer_dropped": 2, "ring_drops": 30, "agg_overflow": 4,
+             "store_dropped": 100, "store_failed": 5, "sink_otlp_failed": 9}  # fmt: skip
+    figures = drop_figures(drops)
+    assert figures == {"agent: drops": 158, "drops: map lapped": 7, "drops: map rejected": 3,
+                       "drops: kernel": 34, "drops: store and sinks": 114}  # fmt: skip
+    assert drop_figures({}) == dict.fromkeys(figures, 0)
