@@ -71,14 +71,12 @@ class StepRing:
         wraps = n - skip > first
         columns = ((self.end, end), (self.latency, latency), (self.loss, loss), (self.tenant, tenant))
         for ring, values in columns:
-            if isinstance(values, int):  # one value for every step (a batch's one tenant)
-                ring[start : start + first] = values
-                if wraps:
-                    ring[: n - skip - first] = values
-                continue
-            ring[start : start + first] = values[skip : skip + first] if skip or wraps else values
+            one = isinstance(values, int)  # one value for every step (a batch's one tenant)
+            ring[start : start + first] = (
+                values if one or not (skip or wraps) else values[skip : skip + first]
+            )
             if wraps:
-                ring[: n - skip - first] = values[skip + first :]
+                ring[: n - skip - first] = values if one else values[skip + first :]
         self.added += n
 
     def oldest_end(self) -> int | None:
@@ -154,11 +152,11 @@ class LiveStats:
             self._add_pass_row(seq, start, end, tenant, k)
 
     def _tenant_column(self, tenants: list[str]) -> np.ndarray | int:
-        codes = self._tenant_codes
-        for tenant in set(tenants) - codes.keys():
+        codes, distinct = self._tenant_codes, set(tenants)
+        for tenant in distinct - codes.keys():
             codes[tenant] = len(self._tenant_names)
             self._tenant_names.append(tenant)
-        if len(tenants) == 1 or len(set(tenants)) == 1:  # one tenant a batch (most): its code, broadcast
+        if len(distinct) == 1:  # one tenant a batch (most): its code, broadcast
             return codes[tenants[0]]
         return np.fromiter((codes[t] for t in tenants), np.int32, len(tenants))
 

@@ -162,8 +162,6 @@ class ShmSource:
         call after poll(), whose header refresh it reuses by default."""
         if self.reader is None:
             return None
-        if not refresh and self.reader.header["layers_head"] == self.layers_cursor:
-            return None  # no layer streams published since the last poll (most targets): nothing to read
         try:
             batch = self.reader.read_layers(self.layers_cursor, refresh=refresh)
         except MalformedMap as exc:

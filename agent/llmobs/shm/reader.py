@@ -266,6 +266,7 @@ class MapView:
         self._fresh_factors: set[tuple[int, str]] = set()
         self._names_cursor = 0
         self._no_steps: dict | None = None  # decode_steps of no records (its arrays are empty: shared)
+        self._no_layers: dict | None = None  # the same for the layer streams
 
     def refresh(self) -> dict:
         """Re-read the live header (heads, counters) and validate it again. The header is read until
@@ -552,7 +553,10 @@ class MapView:
         # (the empty ring's read and its columns' set-up were ~0.18 ms a poll at a slowly stepping
         # target); a cursor ahead of the head (a restarted writer) is _read_ring's to say
         if h["layers_head"] == cursor:
-            return self._no_layers(cursor)
+            if self._no_layers is None:  # the empty columns, decoded once (fresh lists each time)
+                self._no_layers = self._decode_layers(np.zeros(0, layout.LAYER_RECORD.dtype))
+            empty = {k: [] if isinstance(v, list) else v for k, v in self._no_layers.items()}
+            return LayerBatch(empty, 0, 0, cursor)
         got = self._read_ring(layout.LAYER_RECORD, h["layers_offset"], h["layers_capacity"], h["layers_head"],
                               cursor, limit)  # fmt: skip
         recs = got.records
@@ -568,13 +572,16 @@ class MapView:
             & (recs["kind"] < layout.LAYER_KIND_MAX)
             & ((recs["flags"] & ~np.uint32(layout.FLAG_DEVICE_CUDA)) == 0)
         )
-        recs = recs[ok]
+        corrupt = got.corrupt + int((~ok).sum())
+        return LayerBatch(self._decode_layers(recs[ok]), got.lost, corrupt, got.next_cursor)
+
+    def _decode_layers(self, recs: np.ndarray) -> dict[str, list | np.ndarray]:
         n = len(recs)
         words = np.empty((n, 2), ">u8")
         words[:, 0], words[:, 1] = recs["trace_id_hi"], recs["trace_id_lo"]
         hexes = words.tobytes().hex()
-        columns = {
-            "pid": np.full(n, h["writer_pid"], np.int64),
+        return {
+            "pid": np.full(n, self.header["writer_pid"], np.int64),
             "step_seq": recs["step_seq"].astype(np.int64),
             "trace_id": [hexes[32 * i : 32 * i + 32] for i in range(n)],
             "batch_row": recs["batch_row"].astype(np.int32),
@@ -583,15 +590,6 @@ class MapView:
             "kind": recs["kind"].astype(np.int32),
             "value": recs["value"].astype(np.float32),
         }
-        return LayerBatch(columns, got.lost, got.corrupt + int((~ok).sum()), got.next_cursor)
-
-    def _no_layers(self, cursor: int) -> LayerBatch:
-        pid = self.header["writer_pid"]
-        columns = {"pid": np.full(0, pid, np.int64), "step_seq": np.zeros(0, np.int64), "trace_id": [],
-                   "batch_row": np.zeros(0, np.int32), "layer": np.zeros(0, np.int32),
-                   "head": np.zeros(0, np.int32), "kind": np.zeros(0, np.int32),
-                   "value": np.zeros(0, np.float32)}  # fmt: skip
-        return LayerBatch(columns, 0, 0, cursor)
 
     def read_request_events(self, cursor: int = 0, limit: int | None = None,
                             refresh: bool = True) -> RequestBatch:  # fmt: skip
