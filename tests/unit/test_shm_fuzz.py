@@ -1,4 +1,6 @@
-"""Fuzz: 100k malformed maps through the reader's own validation code (in-memory buffers).
+"""Fuzz: 100k malformed maps through the reader's own validation code (in-memory buffers), half through
+its small-read path and half through its general one (a different seed each), and 10k more through
+both, compared.
 
 Every map must either decode into sane rows or raise MalformedMap: never another exception, never a
 read outside the buffer (BufferSource raises MalformedMap on any out-of-bounds read instead).
@@ -14,10 +16,13 @@ import pytest
 import torch
 from llmobs.errors import MalformedMap
 from llmobs.shm import layout
-from llmobs.shm.reader import _sane_steps, parse_buffer
+from llmobs.shm.reader import BufferSource, MapView, _sane_steps, parse_buffer, validate_header
 from llmobs.shm.writer import ShmWriter
+from test_shm_small_read import RECORD_EDGES, assert_same_batch
 
-N_MAPS = 100_000
+N_MAPS = 50_000  # per read path: 100k in all
+N_COMPARED = 10_000  # maps read through both paths and compared (each read twice)
+FUZZ_STEPS = 16  # the valid map's steps ring: a read of it all is a small read
 _HEADER_FIELDS = [
     (f.name, layout.HEADER.offsets[f.name], layout._TYPES[f.type][0])
     for f in layout.HEADER.fields
@@ -30,8 +35,8 @@ def valid_map(tmp_path_factory) -> bytes:
     d = tmp_path_factory.mktemp("fuzz")
     # every ring small (the layer and request rings too): each of the 100k mutations copies the map
     # twice, and at the default capacities (a 388 KiB map) the copies cost more than the reader
-    w = ShmWriter(shm_dir=str(d), names_capacity=4, steps_capacity=16, cupti_capacity=4, layers_capacity=4,
-                  requests_capacity=4, model_id="fuzz-model")  # fmt: skip
+    w = ShmWriter(shm_dir=str(d), names_capacity=4, steps_capacity=FUZZ_STEPS, cupti_capacity=4,
+                  layers_capacity=4, requests_capacity=4, model_id="fuzz-model")  # fmt: skip
     tenant = w.name(layout.NAME_TENANT, "tenant-a")
     for i in range(24):  # wraps the 16-record ring once
         block = torch.tensor([[0.5, 1.0, 0.6, 0.9, 0, 0, 0]], dtype=torch.float32)
@@ -113,14 +118,22 @@ def _mutate(base: bytes, rng: random.Random) -> bytes:
     return bytes(buf)
 
 
+@pytest.fixture(params=["small", "general"])
+def read_path(request, monkeypatch) -> str:
+    """The path parse_buffer's read takes: the small-read path (MapView._few_steps: a read of the whole
+    fuzz ring is a small read) or the general one (numpy, for reads of many records)."""
+    monkeypatch.setattr(MapView, "small_read", FUZZ_STEPS if request.param == "small" else 0)
+    return request.param
+
+
 def test_valid_map_decodes(valid_map):
     view, batch = parse_buffer(valid_map)
     assert (len(batch), batch.lost, batch.corrupt) == (16, 8, 0)
     assert batch.columns["tenant"][0] == "tenant-a" and list(batch.columns["step"]) == list(range(8, 24))
 
 
-def test_100k_malformed_maps_never_crash(valid_map):
-    rng = random.Random(4719)
+def test_100k_malformed_maps_never_crash(valid_map, read_path):
+    rng = random.Random(4719 if read_path == "general" else 5827)
     outcomes = {"ok": 0, "malformed": 0}
     failures = []
     for i in range(N_MAPS):
@@ -145,6 +158,65 @@ def test_100k_malformed_maps_never_crash(valid_map):
     assert not failures, failures
     assert outcomes["ok"] + outcomes["malformed"] == N_MAPS
     assert outcomes["malformed"] > N_MAPS // 4 and outcomes["ok"] > N_MAPS // 10, outcomes
+
+
+def _outcome(fn, *args):
+    """What fn(*args) gives: its result, or the message of the MalformedMap it raised."""
+    try:
+        return fn(*args)
+    except MalformedMap as exc:
+        return str(exc)
+
+
+def _read_through(data: bytes, small_read: int):
+    view = MapView(BufferSource(data))
+    view.small_read = small_read
+    return view.read_steps(0, refresh=False)
+
+
+def _edge_record(base: bytes, rng: random.Random) -> bytes:
+    """A step record with a field at a value by a bound of what is sane (RECORD_EDGES): one byte flipped
+    at random seldom lands exactly on a bound."""
+    buf = bytearray(base)
+    h = np.frombuffer(base, layout.HEADER.dtype, 1)[0]
+    name = rng.choice(list(RECORD_EDGES))
+    code, values = RECORD_EDGES[name]
+    off = int(h["steps_offset"]) + rng.randrange(FUZZ_STEPS) * 128 + layout.STEP_RECORD.offsets[name]
+    struct.pack_into("<" + code, buf, off, rng.choice(values))
+    return bytes(buf)
+
+
+def test_malformed_maps_read_the_same_through_both_paths(valid_map):
+    """Each malformed map through the small-read path and the general path: the same error, or the same
+    batch to the bit (columns, loss accounting, cursor, the kept records)."""
+    rng = random.Random(8802)
+    for i in range(N_COMPARED):
+        data = _mutate(valid_map, rng) if i % 2 else _edge_record(valid_map, rng)
+        small, general = _outcome(_read_through, data, FUZZ_STEPS), _outcome(_read_through, data, 0)
+        if isinstance(general, str) or isinstance(small, str):
+            assert small == general
+        else:
+            assert_same_batch(small, general)
+
+
+def test_a_refresh_after_a_valid_read_gives_what_validate_header_gives(valid_map):
+    """The header's fixed words are validated once, then only compared (MapView._validated): a malformed
+    header read by a view that validated the valid one gives validate_header's result, or its error."""
+    rng = random.Random(2207)
+    data = bytearray(valid_map)
+    view = MapView(BufferSource(data))
+    checked = 0
+    for _ in range(N_COMPARED):
+        mutated = _mutate(valid_map, rng)
+        if len(mutated) != len(valid_map):
+            continue  # a source's size is fixed when it is opened
+        data[:] = mutated
+        want = _outcome(validate_header, mutated[: layout.HEADER.size], len(mutated))
+        assert _outcome(view.refresh) == want
+        data[:] = valid_map
+        view.refresh()  # back to the valid header: its fixed words are the ones compared next
+        checked += 1
+    assert checked > N_COMPARED * 3 // 4
 
 
 @pytest.mark.parametrize(

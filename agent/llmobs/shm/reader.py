@@ -10,6 +10,9 @@ position asked for (2*pos+2), so torn and overwritten records are counted, never
 from __future__ import annotations
 
 import errno
+import functools
+import itertools
+import operator
 import os
 import re
 import stat
@@ -43,6 +46,17 @@ _KNOWN_FLAGS = (
     layout.FLAG_HAS_TARGET | layout.FLAG_GENERATE | layout.FLAG_TEACHER_FORCED | layout.FLAG_DEVICE_CUDA
     | layout.FLAG_PREFILL | layout.FLAG_SHADOW
 )  # fmt: skip
+_UNKNOWN_FLAGS = ~_KNOWN_FLAGS & 0xFFFFFFFF
+_TOP = 1 << 63  # step_seq and CLOCK_MONOTONIC ns stay below it (they fit an int64)
+_RING_HEADS = ("names_head", "steps_head", "cupti_head", "layers_head", "requests_head")
+_ring_heads = operator.itemgetter(*_RING_HEADS)
+# The header words a live writer moves: ring heads, drop counters, heartbeat, state, default model. The
+# rest is fixed when the map is created, so once validated it is only compared (MapView._validated).
+_MOVING_HEADER_WORDS = _RING_HEADS + (
+    "state", "heartbeat_ns", "names_dropped", "steps_dropped", "cupti_dropped", "model_hash",
+    "layers_dropped", "requests_dropped",
+)  # fmt: skip
+_WORD_CODES = {"u64": "Q", "u32": "I", "i32": "i", "f32": "I"}  # a float as its bits: a NaN keeps its payload
 STEP_COLUMNS = [
     "pid", "step_seq", "trace_id", "step", "position", "token_id", "target_id", "loss", "entropy",
     "target_prob", "target_rank", "top1_prob", "latency_ns", "t_start_ns", "t_end_ns", "batch_row",
@@ -68,6 +82,71 @@ REQUEST_LABEL_COLUMNS = ["pid", "request_seq", "trace_id", "key", "value", "ts_n
 REQUEST_INTENT_COLUMNS = ["pid", "request_seq", "trace_id", "template_id", "simhash", "minhash", "action",
                           "output_format", "constraints", "ts_ns"]  # fmt: skip
 MODEL_FACTOR_COLUMNS = ["pid", "model_id", "key", "value", "ts_ns"]
+
+
+def _words_struct(s: layout.Struct) -> struct.Struct:
+    """`s` as the struct module unpacks it: one Python int per field, in field order (a float: its bits)."""
+    fmt, pos = "<", 0
+    for f in s.fields:
+        if f.count != 1:
+            raise ValueError(f"{s.c_name}.{f.name} is an array: it has no one word to unpack")
+        at = s.offsets[f.name]
+        fmt += (f"{at - pos}x" if at > pos else "") + _WORD_CODES[f.type]
+        pos = at + f.size
+    return struct.Struct(fmt + (f"{s.size - pos}x" if s.size > pos else ""))
+
+
+def _fixed_words_mask(s: layout.Struct, moving: tuple[str, ...]) -> int:
+    """Ones over every byte of `s` (read as one little-endian int) but those of the `moving` fields."""
+    mask = (1 << 8 * s.size) - 1
+    for f in s.fields:
+        if f.name in moving:
+            mask &= ~(((1 << 8 * f.size) - 1) << 8 * s.offsets[f.name])
+    return mask
+
+
+_FIXED_HEADER_MASK = _fixed_words_mask(layout.HEADER, _MOVING_HEADER_WORDS)
+# the moving words in header order, unpacked by one struct call (the fixed ones skipped as padding)
+_MOVING_NAMES = tuple(f.name for f in layout.HEADER.fields if f.name in _MOVING_HEADER_WORDS)
+_MOVING_WORDS = struct.Struct("<" + "".join(
+    _WORD_CODES[f.type] if f.name in _MOVING_HEADER_WORDS else f"{f.size}x" for f in layout.HEADER.fields
+))  # fmt: skip
+# The small-read path (a poll of a few token steps: the common case at a slowly stepping target, where
+# a read's fixed numpy set-up cost far more than its records). A record is unpacked by the struct module
+# into Python ints; _AT: a field's index in that tuple.
+_STEP_WORDS = _words_struct(layout.STEP_RECORD)
+_AT = {f.name: i for i, f in enumerate(layout.STEP_RECORD.fields)}
+_SEQ, _STEP_SEQ, _T_START, _T_END, _FLAGS = (
+    _AT[k] for k in ("seq", "step_seq", "t_start_ns", "t_end_ns", "flags")
+)
+_BATCH_ROW, _KV_LEN, _TARGET_RANK, _TOKEN_ID, _TARGET_ID = (_AT[k] for k in _I32_FLOORED)
+_TRACE_HI, _TRACE_LO, _TENANT, _SESSION, _MODEL, _REQUEST_SEQ = (
+    _AT[k] for k in ("trace_id_hi", "trace_id_lo", "tenant_hash", "session_hash", "model_hash", "request_seq")
+)
+# Its numeric columns are packed one after another into one buffer (one struct call) and handed out as
+# the rows of one array per dtype: int32 columns, float32 columns, int64 columns (the record's, then
+# pid and latency_ns), shadow. An int32 or float32 column is packed as the record's own bits ("I" from a
+# u32 or a float, "i" from an i32): what _decode_steps' astype gives (a u32 wraps into int32 alike, a
+# float copy keeps its bits); an int64 column fits "q" once its record is sane.
+_FEW_INT32 = ("target_rank", "batch_row", "kv_len", "tokens_in_pass")
+_FEW_FLOAT32 = ("loss", "entropy", "target_prob", "top1_prob")
+_FEW_INT64 = ("step_seq", "step", "position", "token_id", "target_id", "t_start_ns", "t_end_ns",
+              "request_seq")  # fmt: skip
+_FEW_COMPUTED = ("pid", "latency_ns")  # int64 columns too, after the record's
+_FEW_FIELDS = operator.itemgetter(
+    *(_AT[k] for k in _FEW_INT32 + _FEW_FLOAT32 + _FEW_INT64)
+)  # in packing order
+_STEP_TYPES = {f.name: f.type for f in layout.STEP_RECORD.fields}
+_FEW_CODES = (
+    "".join(_WORD_CODES[_STEP_TYPES[k]] for k in _FEW_INT32 + _FEW_FLOAT32)
+    + "q" * (len(_FEW_INT64) + len(_FEW_COMPUTED)) + "?"
+)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=128)
+def _few_columns_struct(n: int) -> struct.Struct:
+    """The packing of n rows' numeric columns: _FEW_INT32, _FEW_FLOAT32, _FEW_INT64, _FEW_COMPUTED, shadow."""
+    return struct.Struct("<" + "".join(f"{n}{code}" for code in _FEW_CODES))
 
 
 class BufferSource:
@@ -173,10 +252,18 @@ def validate_header(raw: bytes, file_size: int) -> dict:
         raise MalformedMap(f"unknown clock id {h['clock_id']} (expected 1 = CLOCK_MONOTONIC)")
     if h["state"] not in (layout.STATE_LIVE, layout.STATE_CLOSED):
         raise MalformedMap(f"unknown map state {h['state']}")
-    for name in ("names_head", "steps_head", "cupti_head", "layers_head", "requests_head"):
+    for name in _RING_HEADS:
         if h[name] >= MAX_HEAD:
             raise MalformedMap(f"header {name} {h[name]} is impossibly large")
     return h
+
+
+def _moving_words_valid(h: dict) -> bool:
+    """validate_header's checks of the words a live writer moves (_MOVING_HEADER_WORDS), the fixed words
+    being valid: a v2 map's reserved request words stay zero, the state is known, no head is too large."""
+    if h["abi_version"] < 3 and (h["requests_head"] or h["requests_dropped"]):
+        return False
+    return h["state"] in (layout.STATE_LIVE, layout.STATE_CLOSED) and max(_ring_heads(h)) < MAX_HEAD
 
 
 @dataclass
@@ -246,9 +333,16 @@ class RequestBatch:
 class MapView:
     """A validated map, read through a source (a file or a buffer). The same code serves both."""
 
+    # reads of at most this many token steps take the small-read path (_few_steps); 0: never (tests
+    # compare both paths on the same map)
+    small_read = 32
+
     def __init__(self, source, expected_pid: int | None = None):
         self.source = source
-        self.header = validate_header(source.read(0, layout.HEADER.size), source.size)
+        # the header's fixed words as last validated, and that header's fields (_validated)
+        self._fixed_header: int | None = None
+        self._fixed_fields: dict = {}
+        self.header = self._validated(source.read(0, layout.HEADER.size))
         if expected_pid is not None and self.header["writer_pid"] != expected_pid:
             raise MalformedMap(f"map names writer pid {self.header['writer_pid']}, expected {expected_pid}")
         self.names: dict[int, str] = {}
@@ -274,12 +368,27 @@ class MapView:
         raw = self.source.read(0, layout.HEADER.size)
         for _ in range(8):
             again = self.source.read(0, layout.HEADER.size)
-            if (again[_HEADS] == raw[_HEADS] and again[_LAYERS_HEAD] == raw[_LAYERS_HEAD]
-                    and again[_REQUESTS_HEAD] == raw[_REQUESTS_HEAD]):  # fmt: skip
-                break
+            if again == raw or (again[_HEADS] == raw[_HEADS] and again[_LAYERS_HEAD] == raw[_LAYERS_HEAD]
+                                and again[_REQUESTS_HEAD] == raw[_REQUESTS_HEAD]):  # fmt: skip
+                break  # (equal reads, the common case, agree on every head: no slices to compare)
             raw = again
-        self.header = validate_header(raw, self.source.size)
+        self.header = self._validated(raw)
         return self.header
+
+    def _validated(self, raw: bytes) -> dict:
+        """validate_header(raw, file size), without redoing it each read: when the fixed words are those
+        validated last, only validate_header's checks of the moving words are made (heads, state, a v2
+        map's reserved words). Anything else, failed checks included, goes through validate_header, so
+        every map gives what validate_header gives, its errors too."""
+        fixed = int.from_bytes(raw, "little") & _FIXED_HEADER_MASK
+        if fixed == self._fixed_header and len(raw) == layout.HEADER.size:
+            h = self._fixed_fields.copy()  # (a copy keeps validate_header's key order)
+            h.update(zip(_MOVING_NAMES, _MOVING_WORDS.unpack(raw), strict=True))
+            if _moving_words_valid(h):
+                return h
+        h = validate_header(raw, self.source.size)
+        self._fixed_header, self._fixed_fields = fixed, dict(h)  # our own copy: callers may change theirs
+        return h
 
     def context(self, tries: int = 100) -> dict | None:
         """The current-context cell, read under its seqlock (None if it never held still)."""
@@ -309,17 +418,15 @@ class MapView:
     # --- rings ------------------------------------------------------------------------------------
     def _read_ring(self, struct: layout.Struct, offset: int, cap: int, head: int, cursor: int,
                    limit: int | None) -> RingRead:  # fmt: skip
-        if cursor < 0 or cursor > head:
-            raise MalformedMap(
-                f"ring head {head} is behind the reader's cursor {cursor}: the writer restarted"
-            )
-        start = max(cursor, head - cap)
-        lost = start - cursor
-        end = head if limit is None else min(head, start + limit)
-        n = end - start
-        if n == 0:
+        start, lost, end = _ring_span(cap, head, cursor, limit)
+        if end == start:
             return RingRead(np.zeros(0, struct.dtype), np.zeros(0, np.uint64), start, lost)
-        rec = struct.size
+        a, b = self._read_twice(struct.size, offset, cap, start, end)
+        return _sort_records(struct, a, b, start, end, lost)
+
+    def _read_twice(self, rec: int, offset: int, cap: int, start: int, end: int) -> tuple[bytes, bytes]:
+        """Positions start..end of a ring, read twice: a record that differs between the reads was torn."""
+        n = end - start
         slot = start & (cap - 1)
         first = min(n, cap - slot)
 
@@ -329,49 +436,13 @@ class MapView:
                 data += self.source.read(offset, (n - first) * rec)
             return data
 
-        a, b = once(), once()
-        recs = np.frombuffer(a, struct.dtype, n)
-        positions = np.arange(start, end, dtype=np.uint64)
-        expected = 2 * positions + 2
-        seq = recs["seq"]
-        if a == b:  # the common case: nothing changed between the two reads
-            committed = seq == expected
-            if committed.all():
-                return RingRead(recs.copy(), positions, end, lost, 0)
-            overwritten = ~committed & (seq > expected)
-            in_progress = ~committed & ~overwritten & (seq == expected - 1)
-        else:
-            rows_a = np.frombuffer(a, np.uint8).reshape(n, rec)
-            same = (rows_a == np.frombuffer(b, np.uint8).reshape(n, rec)).all(1)
-            seq_b = np.frombuffer(b, struct.dtype, n)["seq"]
-            committed = same & (seq == expected)
-            overwritten = ~committed & ((seq > expected) | (seq_b > expected))
-            torn_now = (seq == expected - 1) | (seq_b == expected - 1) | (~same & (seq == expected))
-            in_progress = ~committed & ~overwritten & torn_now
-        unwritten = ~committed & ~overwritten & ~in_progress & (seq < expected - 1)
-        if unwritten[-1]:  # a trailing run of never-written records: the head was read ahead of them
-            trailing = n if unwritten.all() else int(np.argmin(unwritten[::-1]))
-            in_progress = in_progress.copy()
-            in_progress[n - trailing :] = True
-        next_cursor = end
-        if in_progress.any():  # stop at the first record still being written; retry it next time
-            stop = int(np.argmax(in_progress))
-            next_cursor = start + stop
-            committed, overwritten, positions, recs = (
-                committed[:stop],
-                overwritten[:stop],
-                positions[:stop],
-                recs[:stop],
-            )
-        corrupt = ~committed & ~overwritten
-        return RingRead(
-            recs[committed].copy(), positions[committed], next_cursor,
-            lost + int(overwritten.sum()), int(corrupt.sum()),
-        )  # fmt: skip
+        return once(), once()
 
     def read_names(self) -> int:
         """Fold new names-ring records into self.names; returns how many were corrupt."""
         h = self.header
+        if h["names_head"] == self._names_cursor:  # no new name (most polls): nothing to read or set up
+            return 0
         got = self._read_ring(layout.NAME_RECORD, h["names_offset"], h["names_capacity"], h["names_head"],
                               self._names_cursor, None)  # fmt: skip
         corrupt = got.corrupt
@@ -486,8 +557,17 @@ class MapView:
             self.refresh()
         h = self.header
         corrupt = self.read_names()
-        got = self._read_ring(layout.STEP_RECORD, h["steps_offset"], h["steps_capacity"], h["steps_head"],
-                              cursor, limit)  # fmt: skip
+        cap, head = h["steps_capacity"], h["steps_head"]
+        start, lost, end = _ring_span(cap, head, cursor, limit)
+        if 0 < end - start <= self.small_read:
+            a, b = self._read_twice(layout.STEP_RECORD.size, h["steps_offset"], cap, start, end)
+            few = self._few_steps(a, b, start, end)
+            if few is not None:
+                columns, recs, bad = few
+                return StepBatch(columns, lost, corrupt + bad, end, recs)
+            got = _sort_records(layout.STEP_RECORD, a, b, start, end, lost)  # not all committed: sort them
+        else:
+            got = self._read_ring(layout.STEP_RECORD, h["steps_offset"], cap, head, cursor, limit)
         recs = got.records
         if len(recs):
             ok = _sane_steps(recs)
@@ -497,6 +577,78 @@ class MapView:
             corrupt += bad
         corrupt += got.corrupt
         return StepBatch(self.decode_steps(recs), got.lost, corrupt, got.next_cursor, recs)
+
+    def _few_steps(self, a: bytes, b: bytes, start: int, end: int) -> tuple[dict, np.ndarray, int] | None:
+        """The small-read path: positions start..end read twice (a, b), checked and decoded as the
+        general path does (_sort_records, _sane_steps, _decode_steps) when both reads agree and every
+        record is committed, the common case; then (columns, the kept records, corrupt). None otherwise:
+        a torn, overwritten or unfinished record is the general path's to sort out."""
+        if a != b:
+            return None
+        records = list(_STEP_WORDS.iter_unpack(a))
+        if [r[_SEQ] for r in records] != list(range(2 * start + 2, 2 * end + 2, 2)):
+            return None
+        sane = [_is_sane_step(r) for r in records]
+        if not all(sane):
+            size = layout.STEP_RECORD.size
+            a = b"".join(a[size * i : size * i + size] for i, ok in enumerate(sane) if ok)
+            records = [r for r, ok in zip(records, sane, strict=True) if ok]
+            if not records:
+                recs = np.zeros(0, layout.STEP_RECORD.dtype)
+                return self.decode_steps(recs), recs, len(sane)
+        # a bytearray: the records handed out are writable, like the general path's copies
+        recs = np.frombuffer(bytearray(a), layout.STEP_RECORD.dtype, len(records))
+        return self._decode_few_steps(records), recs, len(sane) - len(records)
+
+    def _decode_few_steps(self, records: list[tuple]) -> dict[str, list | np.ndarray]:
+        """_decode_steps of a few records unpacked by _STEP_WORDS: the same columns (keys, order, dtypes,
+        values) from one struct call and one array per dtype, not a numpy set-up per column."""
+        n = len(records)
+        fields = list(zip(*records, strict=True))  # a field's index in the record -> its n values
+        latency = [e - s for s, e in zip(fields[_T_START], fields[_T_END], strict=True)]
+        shadow = [bool(f & layout.FLAG_SHADOW) for f in fields[_FLAGS]]
+        packing = _few_columns_struct(n)
+        buf = bytearray(packing.size)
+        packing.pack_into(buf, 0, *itertools.chain.from_iterable(_FEW_FIELDS(fields)),
+                          *(self.header["writer_pid"],) * n, *latency, *shadow)  # fmt: skip
+        i32 = np.ndarray((len(_FEW_INT32), n), np.int32, buf)
+        at = 4 * len(_FEW_INT32) * n
+        f32 = np.ndarray((len(_FEW_FLOAT32), n), np.float32, buf, at)
+        at += 4 * len(_FEW_FLOAT32) * n
+        i64 = np.ndarray((len(_FEW_INT64) + len(_FEW_COMPUTED), n), np.int64, buf, at)
+        at += 8 * (len(_FEW_INT64) + len(_FEW_COMPUTED)) * n
+        c = dict(zip(_FEW_INT32, i32, strict=True))
+        c.update(zip(_FEW_FLOAT32, f32, strict=True))
+        c.update(zip(_FEW_INT64 + _FEW_COMPUTED, i64, strict=True))
+        name = self.name
+        return {
+            "pid": c["pid"],
+            "step_seq": c["step_seq"],
+            "trace_id": [
+                f"{hi:016x}{lo:016x}" for hi, lo in zip(fields[_TRACE_HI], fields[_TRACE_LO], strict=True)
+            ],
+            "step": c["step"],
+            "position": c["position"],
+            "token_id": c["token_id"],
+            "target_id": c["target_id"],
+            "loss": c["loss"],
+            "entropy": c["entropy"],
+            "target_prob": c["target_prob"],
+            "target_rank": c["target_rank"],
+            "top1_prob": c["top1_prob"],
+            "latency_ns": c["latency_ns"],
+            "t_start_ns": c["t_start_ns"],
+            "t_end_ns": c["t_end_ns"],
+            "batch_row": c["batch_row"],
+            "tenant": [name(x) for x in fields[_TENANT]],
+            "session": [name(x) for x in fields[_SESSION]],
+            "model_id": [name(x) for x in fields[_MODEL]],
+            "kv_len": c["kv_len"],
+            "tokens_in_pass": c["tokens_in_pass"],
+            "request_seq": c["request_seq"],
+            "request_id": [self.request_ids.get(x, "") if x else "" for x in fields[_REQUEST_SEQ]],
+            "shadow": np.ndarray((n,), np.bool_, buf, at),
+        }
 
     def decode_steps(self, recs: np.ndarray) -> dict[str, list | np.ndarray]:
         if len(recs):
@@ -695,6 +847,20 @@ def _trace_context(text: str) -> tuple[str, int, str] | None:
     return span, int(flags, 16), prompt_hash
 
 
+def _is_sane_step(r: tuple) -> bool:
+    """_sane_steps of one record unpacked by _STEP_WORDS: the same bounds, on Python ints."""
+    return (
+        0 < r[_STEP_SEQ] < _TOP
+        and r[_T_START] <= r[_T_END] < _TOP
+        and r[_BATCH_ROW] >= 0
+        and r[_KV_LEN] >= -1
+        and r[_TARGET_RANK] >= -1
+        and r[_TOKEN_ID] >= -1
+        and r[_TARGET_ID] >= -1
+        and not r[_FLAGS] & _UNKNOWN_FLAGS
+    )
+
+
 def _sane_steps(recs: np.ndarray) -> np.ndarray:
     """Which records hold values a real writer writes: 1 <= step_seq < 2^63, t_start <= t_end < 2^63
     (CLOCK_MONOTONIC ns fit an int64), batch_row >= 0, kv_len / target_rank / token_id / target_id
@@ -712,6 +878,61 @@ def _sane_steps(recs: np.ndarray) -> np.ndarray:
         & (ints[:, _I32_COLUMNS] >= _I32_FLOORS).all(1)
         & ((ints[:, _FLAGS_COLUMN].view(np.uint32) & np.uint32(~_KNOWN_FLAGS & 0xFFFFFFFF)) == 0)
     )
+
+
+def _ring_span(cap: int, head: int, cursor: int, limit: int | None) -> tuple[int, int, int]:
+    """(start, lost, end): the positions to read from `cursor` on (at most `limit`), after those the
+    writer lapped (`lost`, overwritten before we read them)."""
+    if cursor < 0 or cursor > head:
+        raise MalformedMap(f"ring head {head} is behind the reader's cursor {cursor}: the writer restarted")
+    start = max(cursor, head - cap)
+    end = head if limit is None else min(head, start + limit)
+    return start, start - cursor, end
+
+
+def _sort_records(record: layout.Struct, a: bytes, b: bytes, start: int, end: int, lost: int) -> RingRead:
+    """The records of positions start..end read twice (a, b): the committed ones, the others counted
+    (lost: overwritten; corrupt), stopping at the first one still being written."""
+    n = end - start
+    rec = record.size
+    recs = np.frombuffer(a, record.dtype, n)
+    positions = np.arange(start, end, dtype=np.uint64)
+    expected = 2 * positions + 2
+    seq = recs["seq"]
+    if a == b:  # the common case: nothing changed between the two reads
+        committed = seq == expected
+        if committed.all():
+            return RingRead(recs.copy(), positions, end, lost, 0)
+        overwritten = ~committed & (seq > expected)
+        in_progress = ~committed & ~overwritten & (seq == expected - 1)
+    else:
+        rows_a = np.frombuffer(a, np.uint8).reshape(n, rec)
+        same = (rows_a == np.frombuffer(b, np.uint8).reshape(n, rec)).all(1)
+        seq_b = np.frombuffer(b, record.dtype, n)["seq"]
+        committed = same & (seq == expected)
+        overwritten = ~committed & ((seq > expected) | (seq_b > expected))
+        torn_now = (seq == expected - 1) | (seq_b == expected - 1) | (~same & (seq == expected))
+        in_progress = ~committed & ~overwritten & torn_now
+    unwritten = ~committed & ~overwritten & ~in_progress & (seq < expected - 1)
+    if unwritten[-1]:  # a trailing run of never-written records: the head was read ahead of them
+        trailing = n if unwritten.all() else int(np.argmin(unwritten[::-1]))
+        in_progress = in_progress.copy()
+        in_progress[n - trailing :] = True
+    next_cursor = end
+    if in_progress.any():  # stop at the first record still being written; retry it next time
+        stop = int(np.argmax(in_progress))
+        next_cursor = start + stop
+        committed, overwritten, positions, recs = (
+            committed[:stop],
+            overwritten[:stop],
+            positions[:stop],
+            recs[:stop],
+        )
+    corrupt = ~committed & ~overwritten
+    return RingRead(
+        recs[committed].copy(), positions[committed], next_cursor,
+        lost + int(overwritten.sum()), int(corrupt.sum()),
+    )  # fmt: skip
 
 
 def parse_buffer(data: bytes | bytearray | memoryview) -> tuple[MapView, StepBatch]:
