@@ -52,6 +52,8 @@ reference used, one bincount per reference updated. A poll of at most SCALAR_BAT
 stepping generate(): one token a poll) takes a path in Python floats instead, with the same draws, bins
 and arithmetic (its suffix sums equal the cumulative's differences exactly: the counts are multiples
 of 2^-h after h halvings): some twenty numpy calls on one-element arrays cost ~10x the work there.
+`score_scalars` is that path for a caller holding Python lists (the detector's poll of a few steps):
+no array in or out; what is left of numpy is the generator's draw and the references' bin counts.
 """
 
 from __future__ import annotations
@@ -162,13 +164,20 @@ class CalibratedCounters:
 @dataclass
 class CalibratedScores:
     """Per token of a batch (in the order given): p-value (NaN: not tested), verdict, the reference's
-    size, its position bucket and whether the score was the request-relative z (else the raw loss)."""
+    size, its position bucket and whether the score was the request-relative z (else the raw loss).
+    Arrays, or lists indexed as they are (ConformalScorer.score_scalars)."""
 
     p: np.ndarray
     flagged: np.ndarray
     reference_n: np.ndarray
     bucket: np.ndarray
     relative: np.ndarray
+
+    def as_arrays(self) -> CalibratedScores:
+        """The scores as score()'s arrays (from score_scalars' lists)."""
+        return CalibratedScores(np.array(self.p, np.float64), np.array(self.flagged, bool),
+                                np.array(self.reference_n, np.int64), np.array(self.bucket, np.int64),
+                                np.array(self.relative, bool))  # fmt: skip
 
 
 class ConformalScorer:
@@ -252,20 +261,37 @@ class ConformalScorer:
         return CalibratedScores(p, flagged, reference_n, used, is_relative)
 
     def _score_few(self, pid, variant, position, loss, relative) -> CalibratedScores:
-        """score() for a poll of at most SCALAR_BATCH tokens, in Python floats: the same uniform draws
-        (one random(n) call), bins, references, p-values, flag-rate guard and learning, token by token."""
-        n = len(loss)
-        uniform = self._rng.random(n).tolist()
-        losses = loss.tolist()
-        zs = relative.tolist() if relative is not None else [math.nan] * n
-        buckets = [bisect.bisect_right(self._edges, at) for at in position.tolist()]
+        """score() for a poll of at most SCALAR_BATCH tokens, in Python floats (`_score_streams`), as
+        arrays."""
+        uniform = self._rng.random(len(loss)).tolist()  # first: a column that fails leaves it drawn, as ever
         streams = (pid.astype(np.int64) * 2 + variant.astype(np.int64)).tolist()
+        zs = relative.tolist() if relative is not None else None
+        return self._score_streams(uniform, streams, position.tolist(), loss.tolist(), zs).as_arrays()
+
+    def score_scalars(self, pid: list[int], variant: list[int], position: list[int], loss: list[float],
+                      relative: list[float] | None = None) -> CalibratedScores:  # fmt: skip
+        """score() for a few tokens given and returned as Python lists (the fields of the result are
+        lists, indexed as score()'s arrays are), for a caller that has no arrays: the detector's poll of
+        a slowly stepping target. The same draws, p-values, counters and learning as score(); pid * 2
+        + variant must fit an int64, as it does there."""
+        uniform = self._rng.random(len(loss)).tolist()
+        streams = [p * 2 + v for p, v in zip(pid, variant, strict=True)]
+        return self._score_streams(uniform, streams, position, loss, relative)
+
+    def _score_streams(self, uniform: list[float], streams: list[int], position: list[int], loss: list[float],
+                       relative: list[float] | None) -> CalibratedScores:  # fmt: skip
+        """The Python-float path of score(), given the poll's uniform draws (one random(n) call) and each
+        token's (pid, variant) stream packed as pid * 2 + variant: the same bins, references, p-values,
+        flag-rate guard and learning, token by token. The result's fields are lists."""
+        n = len(loss)
+        zs = relative if relative is not None else [math.nan] * n
+        buckets = [bisect.bisect_right(self._edges, at) for at in position]
         p, reference_n, used = [math.nan] * n, [0] * n, [-1] * n
         is_relative, flagged, bins, keys = [False] * n, [False] * n, [0] * n, [0] * n
         for i in range(n):
             kind = int(zs[i] == zs[i])  # a z where there is one, else the raw loss
             is_relative[i] = bool(kind)
-            bins[i] = _z_bin(zs[i]) if kind else _loss_bin(losses[i])
+            bins[i] = _z_bin(zs[i]) if kind else _loss_bin(loss[i])
             keys[i] = (streams[i] * 2 + kind) * 64 + buckets[i]
             reference = self._references.get(_unpacked(keys[i]))
             if reference is None or reference.total < self.warmup_count:
@@ -282,11 +308,10 @@ class ConformalScorer:
         c.flagged += n_flagged
         if self.learning:
             self._learn_few(keys, bins, p, flagged)
-        return CalibratedScores(np.array(p), np.array(flagged, bool), np.array(reference_n, np.int64),
-                                np.array(used, np.int64), np.array(is_relative, bool))  # fmt: skip
+        return CalibratedScores(p, flagged, reference_n, used, is_relative)
 
     def _learn_few(self, keys: list[int], bins: list[int], p: list[float], flagged: list[bool]) -> None:
-        """_learn for _score_few's tokens: per (pid, variant) stream, in the order of the sorted keys."""
+        """_learn for _score_streams' tokens: per (pid, variant) stream, in the order of the sorted keys."""
         order = sorted(range(len(keys)), key=lambda i: keys[i])  # np.unique's order, stable within a key
         by_stream: dict[int, list[int]] = {}
         for i in order:

@@ -38,6 +38,7 @@ from llmobs.diagnostics.conformal import (
     FORCED,
     GENERATED,
     KIND_NAMES,
+    SCALAR_BATCH,
     VARIANT_NAMES,
     CalibratedScores,
     ConformalScorer,
@@ -241,16 +242,24 @@ def _score_scalar(history: list[float], values: list[float], seen: int, config: 
         sd = max(math.sqrt(_pairwise_sum(squares) / (n - 1)), config.min_sd)
         t = _divide(value - mean, sd * math.sqrt(1.0 + 1.0 / n))
         p = _tail_below_scalar(float(n - 1), t, config.alpha)
-        ordered = sorted(window)
-        median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2.0
-        spread = sorted(abs(v - median) for v in window)
-        mad = (spread[(n - 1) // 2] + spread[n // 2]) / 2.0
-        z = _divide(MAD_TO_Z * (value - median), max(mad, config.min_sd * MAD_TO_Z))
+        median, mad, z = _robust_z_scalar(window, value, config)
         for name, v in (("n", n), ("mean", mean), ("sd", sd), ("t", t), ("p", p), ("median", median),
                         ("mad", mad), ("z", z), ("ttest", p < config.alpha),
                         ("mad_flag", z > config.mad_threshold)):  # fmt: skip
             out[name].append(v)
     return Scores(**out)
+
+
+def _robust_z_scalar(window: list[float], value: float, config: DetectorConfig) -> tuple[float, float, float]:
+    """`_robust_z` of one value against its window (at least 2 finite losses) in Python floats, bit for
+    bit: the medians index the same sorted values, and a zero MAD floor gives numpy's inf / NaN."""
+    n = len(window)
+    ordered = sorted(window)
+    median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2.0
+    spread = [abs(v - median) for v in window]
+    spread.sort()
+    mad = (spread[(n - 1) // 2] + spread[n // 2]) / 2.0
+    return median, mad, _divide(MAD_TO_Z * (value - median), max(mad, config.min_sd * MAD_TO_Z))
 
 
 def _pairwise_sum(row: list[float]) -> float:
@@ -322,13 +331,16 @@ class DetectorCounters:
 
 @dataclass
 class _Open:
-    history: np.ndarray  # the last `window` finite losses
+    # the last `window` finite losses: an array, or a list where the calibrated detector alone moved
+    # them on in a tiny poll (`_relative_z_scalar`: no array a poll); every reader takes either
+    history: np.ndarray | list[float]
     seen: int = 0  # finite losses seen so far
     tests: RequestTests | None = None  # calibrated: the request's p-values for its BH verdict
     last_flag: int = -(1 << 62)  # calibrated: the step of the request's last flagged token
 
 
-TINY_BATCH = 4  # up to this many steps a batch is scored in Python floats (`_score_scalar`)
+# up to this many steps a batch is scored in Python floats (`_score_scalar`, `_add_calibrated_tiny`)
+TINY_BATCH = 4
 SMALL_BATCH = 32  # up to this many steps a batch's request keys are made in Python
 FEW_REQUESTS = 2  # up to this many requests in a batch each is scored on its own
 
@@ -443,7 +455,7 @@ class StreamingDetector:
             if not finite:
                 continue
             state = self._state(key)
-            history = state.history.tolist()
+            history = _as_list(state.history)
             values = [loss[i] for i in finite]
             scores = _score_scalar(history, values, state.seen, self.config)
             state.history = np.array([*history, *values][-w:], dtype=np.float64)
@@ -456,8 +468,18 @@ class StreamingDetector:
         return rows
 
     def _add_calibrated(self, steps: dict, now_ns: int) -> dict[str, list] | None:
-        """The calibrated detector over the batch: one vectorised p-value pass (ConformalScorer), then
-        each request's Benjamini-Hochberg verdict; rows for the tokens with p <= alarm_rate."""
+        """The calibrated detector over the batch: each token's p-value (ConformalScorer), then each
+        request's Benjamini-Hochberg verdict; rows for the tokens with p <= alarm_rate. A slow target's
+        poll takes Python scalars (`_add_calibrated_tiny`), with the same rows, counters and state."""
+        n = len(steps["step_seq"])
+        if 0 < n <= TINY_BATCH and n <= SCALAR_BATCH:  # the scorer's float path too: same arithmetic
+            poll = _tiny_poll(steps, n)
+            if poll is not None:
+                return self._add_calibrated_tiny(steps, poll, now_ns)
+        return self._add_calibrated_arrays(steps, now_ns)
+
+    def _add_calibrated_arrays(self, steps: dict, now_ns: int) -> dict[str, list] | None:
+        """`_add_calibrated` vectorised: one p-value pass over the batch, then `_calibrated_verdicts`."""
         n = len(steps["step_seq"])
         step_seq = np.asarray(steps["step_seq"], np.int64)
         step = np.asarray(steps["step"], np.int64)
@@ -481,6 +503,15 @@ class StreamingDetector:
         before = self.calibrated.counters.warmup
         scores = self.calibrated.score(pid[finite], variant, position, loss[finite], relative)
         self.counters.warmup += self.calibrated.counters.warmup - before
+        return self._calibrated_verdicts(steps, now_ns, scores, z, relative, variant, group, step, finite,
+                                         first, keys)  # fmt: skip
+
+    def _calibrated_verdicts(self, steps, now_ns, scores, z, relative, variant, group, step, finite, first,
+                             keys) -> dict[str, list] | None:  # fmt: skip
+        """The scored tokens' aftermath, each request's Benjamini-Hochberg verdict and the flagged tokens'
+        rows. Arrays: `finite` (the tokens scored, indices of the batch), `scores`, `z`, `relative` and
+        `variant` (one per token scored), `group` and `step` (per step of the batch), `first` (per
+        request, as `keys`)."""
         if self.config.aftermath:
             self._aftermath(scores, z, group[finite], step[finite], keys)
         if not self.config.windowed:
@@ -494,13 +525,7 @@ class StreamingDetector:
             bounds = np.flatnonzero(np.diff(groups_of[order])) + 1
             for part in np.split(order, bounds):
                 g = int(groups_of[part[0]])
-                state = self._state(keys[g])
-                if state.tests is None:
-                    state.tests = RequestTests()
-                had = state.tests.discoveries
-                verdict[g] = state.tests.add(scores.p[tested[part]].tolist(), self.config.fdr)
-                if verdict[g] and not had:
-                    self.counters.requests_flagged += 1
+                verdict[g] = self._request_verdict(keys[g], scores.p[tested[part]].tolist())
         hits = np.flatnonzero(scores.flagged)
         if not len(hits):
             return None
@@ -526,7 +551,67 @@ class StreamingDetector:
                              detail, now_ns, keys[g])  # fmt: skip
         return rows
 
-    def _aftermath(self, scores: CalibratedScores, z: np.ndarray, group, step, keys) -> None:
+    def _add_calibrated_tiny(self, steps: dict, poll: _TinyPoll, now_ns: int) -> dict[str, list] | None:
+        """`_add_calibrated_arrays` for a poll of a few steps in Python lists, floats and ints: its ~50
+        numpy calls on arrays of 1-4 elements cost ~0.5 ms a poll (cold, after the poll's sleep). The
+        same request keys, scores, aftermath, verdicts, counters and state changes, in the same order.
+        A poll with a flagged token (rare) hands its scores, as arrays, to `_calibrated_verdicts`."""
+        keys_of = self._request_keys(poll.pid, steps["trace_id"], poll.step_seq, poll.step, poll.batch_row)
+        group, first, keys = _grouped(keys_of)
+        finite = [i for i, loss in enumerate(poll.loss) if math.isfinite(loss)]
+        if not finite:
+            return None
+        forced = [key in self._forced_open for key in keys]  # before the windows: they may evict
+        variant = [FORCED if forced[group[i]] else GENERATED for i in finite]
+        z = None
+        if self.config.calibrated_score == "relative" or self.config.aftermath:
+            every_z = self._relative_z_scalar(group, poll.step, poll.loss, keys)
+            z = [every_z[i] for i in finite]
+        relative = z if self.config.calibrated_score == "relative" else None
+        before = self.calibrated.counters.warmup
+        scores = self.calibrated.score_scalars([poll.pid[i] for i in finite], variant,
+                                               [poll.position[i] for i in finite],
+                                               [poll.loss[i] for i in finite], relative)  # fmt: skip
+        self.counters.warmup += self.calibrated.counters.warmup - before
+        if any(scores.flagged):  # rows to build: the vectorised verdicts on this poll's arrays
+            z_array = None if z is None else np.array(z, np.float64)
+            return self._calibrated_verdicts(
+                steps, now_ns, scores.as_arrays(), z_array, z_array if relative is not None else None,
+                np.array(variant, np.int64), np.array(group, np.int64), np.array(poll.step, np.int64),
+                np.array(finite, np.intp), np.array(first, np.int64), keys,
+            )  # fmt: skip
+        self._unflagged_verdicts(scores, z, [group[i] for i in finite], [poll.step[i] for i in finite], keys)
+        return None
+
+    def _unflagged_verdicts(self, scores: CalibratedScores, z, group, step, keys) -> None:
+        """`_calibrated_verdicts` for a tiny poll with no flagged token, in Python scalars: the aftermath
+        of the requests' earlier flags, the tested count and each request's Benjamini-Hochberg verdict
+        (no rows). Lists (`scores`' fields too), one item per token scored."""
+        if self.config.aftermath:
+            self._aftermath(scores, z, group, step, keys)
+        p = scores.p
+        tested = [j for j, value in enumerate(p) if value == value]
+        if not self.config.windowed:
+            self.counters.tested += len(tested)
+        by_request: dict[int, list[float]] = {}  # in token order within a request, as the stable argsort
+        for j in tested:
+            by_request.setdefault(group[j], []).append(p[j])
+        for g in sorted(by_request):
+            self._request_verdict(keys[g], by_request[g])
+
+    def _request_verdict(self, key: tuple, p_values: list[float]) -> int:
+        """The request's Benjamini-Hochberg discoveries once `p_values` (its tested tokens of this batch)
+        join its earlier ones; a request's first discovery is counted."""
+        state = self._state(key)
+        if state.tests is None:
+            state.tests = RequestTests()
+        had = state.tests.discoveries
+        discoveries = state.tests.add(p_values, self.config.fdr)
+        if discoveries and not had:
+            self.counters.requests_flagged += 1
+        return discoveries
+
+    def _aftermath(self, scores: CalibratedScores, z, group, step, keys) -> None:
         """Leave a flagged token's aftermath untested: the next `aftermath` tokens of its request read the
         flagged token as context, and a garbage token in the context raises the loss of what follows
         it (the flag before them already reports it). One is flagged only if its loss also stands out
@@ -534,12 +619,8 @@ class StreamingDetector:
         does not move. Whether a token is in an aftermath depends only on the tokens before it, so the
         tested ones' p-values stay uniform on clean traffic: the false-alarm rate per tested token is
         still the budget (fewer tokens are tested: about alarm_rate x aftermath of them fewer)."""
-        if len(step) <= TINY_BATCH and not scores.flagged.any():  # a slow target's poll: Python ints
-            for j in np.flatnonzero(~np.isnan(scores.p)).tolist():
-                state = self._state(keys[int(group[j])])
-                if 0 < step[j] - state.last_flag <= self.config.aftermath:
-                    scores.p[j] = np.nan
-                    self.counters.aftermath += 1
+        if len(step) <= TINY_BATCH and not any(scores.flagged):  # a slow target's poll: Python scalars
+            self._untest_aftermath(scores.p, group, step, keys)
             return
         state_of = {}
         flags: dict[int, list[int]] = {}  # group -> the flag steps (its last before this batch first)
@@ -565,6 +646,18 @@ class StreamingDetector:
             after = members[inside & ~scores.flagged[members]]
             scores.p[after] = np.nan
             self.counters.aftermath += len(after)
+
+    def _untest_aftermath(self, p, group, step, keys) -> None:
+        """`_aftermath` for a few tokens none of which is flagged (p, group, step: arrays or lists, one
+        item per token scored): a tested one inside its request's last flag's aftermath becomes
+        untested (p NaN), counted."""
+        for j, value in enumerate(p):
+            if value != value:  # not tested
+                continue
+            state = self._state(keys[int(group[j])])
+            if 0 < step[j] - state.last_flag <= self.config.aftermath:
+                p[j] = math.nan
+                self.counters.aftermath += 1
 
     def _relative_z(self, group, step, loss, first, keys) -> np.ndarray:
         """Each step's request-relative score for the calibrated detector: the MAD detector's modified z
@@ -598,30 +691,39 @@ class StreamingDetector:
             if not math.isfinite(value):
                 continue
             state = self._state(keys[int(group[i])])
-            window = state.history[-w:].tolist()
-            n = len(window)
-            if state.seen >= c.min_history and n >= 2:
-                ordered = sorted(window)
-                median = (ordered[(n - 1) // 2] + ordered[n // 2]) / 2.0
-                spread = sorted(abs(v - median) for v in window)
-                mad = (spread[(n - 1) // 2] + spread[n // 2]) / 2.0
-                z[i] = _divide(MAD_TO_Z * (value - median), max(mad, c.min_sd * MAD_TO_Z))
+            window = _as_list(state.history[-w:])
+            if state.seen >= c.min_history and len(window) >= 2:
+                z[i] = _robust_z_scalar(window, value, c)[2]
             state.history = np.array([*window, value][-w:], dtype=np.float64)
             state.seen += 1
         return z
 
+    def _relative_z_scalar(self, group: list[int], step: list[int], loss: list[float], keys) -> list[float]:
+        """`_relative_z` for a tiny poll in Python lists and floats: each step's z against its request's
+        window (NaN: too little history, or a loss not finite), `_robust_z_scalar`'s bit for bit, the
+        requests' open state touched in the same order. Alone, the calibrated detector moves their windows
+        on here (as lists: no array made a poll); beside the windowed detectors it only reads them."""
+        w, c = self.config.window, self.config
+        z = [math.nan] * len(loss)
+        members: dict[int, list[int]] = {}  # request -> its finite steps, requests in order, then steps
+        for i in sorted(range(len(loss)), key=lambda i: (group[i], step[i])):
+            if math.isfinite(loss[i]):
+                members.setdefault(group[i], []).append(i)
+        for g, indices in members.items():
+            state = self._state(keys[g])
+            window, seen = _as_list(state.history[-w:]), state.seen
+            for i in indices:
+                if seen >= c.min_history and len(window) >= 2:
+                    z[i] = _robust_z_scalar(window, loss[i], c)[2]
+                window, seen = [*window, loss[i]][-w:], seen + 1
+            if not c.windowed:
+                state.history, state.seen = window, seen
+        return z
+
     def _small_groups(self, pid, traces, step_seq, step, batch_row):
         """`_request_groups` for a few steps, from `_request_keys`."""
-        index: dict[tuple, int] = {}
-        first: list[int] = []
-        group = np.empty(len(step_seq), np.int64)
-        for i, key in enumerate(self._request_keys(pid, traces, step_seq, step, batch_row)):
-            g = index.get(key)
-            if g is None:
-                g = index[key] = len(first)
-                first.append(i)
-            group[i] = g
-        return group, np.asarray(first, np.int64), list(index)
+        group, first, keys = _grouped(self._request_keys(pid, traces, step_seq, step, batch_row))
+        return np.asarray(group, np.int64), np.asarray(first, np.int64), keys
 
     def _request_groups(self, pid, traces, step_seq, step, batch_row):
         """(group of each step, each group's first index, each group's request key): `_request_keys`'s
@@ -764,6 +866,79 @@ class StreamingDetector:
         rows["step"].append(int(steps["step"][i]))
         rows["batch_row"].append(key[3])
         rows["detector"].append(detector)
+
+
+def _grouped(request_keys: list[tuple]) -> tuple[list[int], list[int], list[tuple]]:
+    """Each step's request as a small int (in order of first appearance), each request's first step and
+    each request's key, from each step's request key."""
+    index: dict[tuple, int] = {}
+    group: list[int] = []
+    first: list[int] = []
+    for i, key in enumerate(request_keys):
+        g = index.get(key)
+        if g is None:
+            g = index[key] = len(first)
+            first.append(i)
+        group.append(g)
+    return group, first, list(index)
+
+
+@dataclass
+class _TinyPoll:
+    """A poll's columns as Python lists, each value the one the numpy path's int64 / float64 array holds."""
+
+    pid: list[int]
+    step_seq: list[int]
+    step: list[int]
+    batch_row: list[int]
+    position: list[int]
+    loss: list[float]
+
+
+# |value| below: the numpy path's int64 arithmetic (pid * 2 + variant, step_seq - step, step - a flag
+# step) cannot wrap, so Python ints give its results
+EXACT_INT_LIMIT = 1 << 62
+
+
+def _tiny_poll(steps: dict, n: int) -> _TinyPoll | None:
+    """The poll's columns as Python lists when each converts exactly (`_exact_ints`, `_exact_floats`);
+    else None: the numpy path takes the poll, with its conversions and its errors."""
+    ints = [_exact_ints(steps.get(name), n) for name in ("pid", "step_seq", "step", "batch_row", "position")]
+    loss = _exact_floats(steps.get("loss"), n)
+    if loss is None or any(column is None for column in ints):
+        return None
+    return _TinyPoll(*ints, loss)
+
+
+def _exact_ints(column, n: int) -> list[int] | None:
+    """n ints (a 1-d integer array, or a list of Python ints) of magnitude below EXACT_INT_LIMIT, as Python
+    ints: exactly np.asarray(column, np.int64)'s values. None for anything else (floats, bools, numpy
+    scalars in a list, a missing or short column)."""
+    if isinstance(column, np.ndarray):
+        if column.ndim != 1 or column.dtype.kind not in "iu":
+            return None
+        values = column.tolist()
+    elif type(column) is list and all(type(v) is int for v in column):
+        values = column
+    else:
+        return None
+    if len(values) != n or (values and not -EXACT_INT_LIMIT < min(values) <= max(values) < EXACT_INT_LIMIT):
+        return None
+    return values
+
+
+def _exact_floats(column, n: int) -> list[float] | None:
+    """n floats (a 1-d array of float16/32/64, or a list of Python floats) as Python floats: exactly
+    np.asarray(column, np.float64)'s values. None for anything else."""
+    if isinstance(column, np.ndarray):
+        if column.ndim != 1 or column.dtype.kind != "f" or column.dtype.itemsize > 8:
+            return None
+        values = column.tolist()
+    elif type(column) is list and all(type(v) is float for v in column):
+        values = column
+    else:
+        return None
+    return values if len(values) == n else None
 
 
 def _joined(first: dict[str, list] | None, second: dict[str, list] | None) -> dict[str, list] | None:
