@@ -21,13 +21,22 @@ def events_of(*pids: int) -> np.ndarray:
 
 
 class Ring:
-    """A shared ring: each drain returns the next queued batch."""
+    """A shared ring: each drain returns the next queued batch. It holds 16 records, so that one pending
+    is more than the share a wake may leave undrained (bpf/ringbuf.py DrainPacer)."""
+
+    data_bytes = 16 * EVENT_DTYPE.itemsize
 
     def __init__(self, *batches: np.ndarray):
         self.batches = list(batches)
+        self.records = 0
+
+    def pending_bytes(self) -> int:
+        return len(self.batches[0]) * EVENT_DTYPE.itemsize if self.batches else 0
 
     def drain(self) -> np.ndarray:
-        return self.batches.pop(0) if self.batches else events_of()
+        batch = self.batches.pop(0) if self.batches else events_of()
+        self.records += len(batch)
+        return batch
 
 
 class Session:
@@ -268,10 +277,13 @@ def test_the_detach_summary_says_in_one_line_where_the_agent_degraded():
     from llmobs.commands.attach import _print_degrades
 
     out = io.StringIO()
-    _print_degrades({"correlate_stretched": 2, "map_reads_deferred": 1_500, "token_steps": 9}, out)
+    counts = {"correlate_stretched": 2, "map_reads_deferred": 1_500, "hand_offs_deferred": 7,
+              "token_steps": 9}  # fmt: skip
+    _print_degrades(counts, out)
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and "correlate runs put off 2 time(s)" in lines[0]
     assert "map reads deferred 1,500 time(s)" in lines[0]
+    assert "token steps held for the store 7 time(s)" in lines[0]
     quiet = io.StringIO()
     _print_degrades({"token_steps": 9}, quiet)
     assert quiet.getvalue() == ""

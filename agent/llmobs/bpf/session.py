@@ -26,8 +26,8 @@ from llmobs.bpf.cleanup import remove_stale_uprobes
 from llmobs.bpf.libraries import ResolvedProbe, Skipped, mapped_libraries, resolve
 from llmobs.bpf.profiles import Probe, probes_of
 from llmobs.bpf.program import Attached, ProbeProgram, ctx_offset
-from llmobs.bpf.records import COUNTERS, DEFAULT_THIN, RING_RECORD_DTYPE
-from llmobs.bpf.ringbuf import RingConsumer
+from llmobs.bpf.records import COUNTERS, DEFAULT_THIN, EVENT_DTYPE, RING_RECORD_DTYPE
+from llmobs.bpf.ringbuf import DrainPacer, RingConsumer
 from llmobs.bpf.thread_records import find_thread_registry
 from llmobs.errors import AccessDenied, NothingAttached, NotTracked
 from llmobs.procfs import MapEntry, ProcFS
@@ -44,6 +44,7 @@ MAPS_REFRESH_S = (1.0, 10.0)
 # holds. The harvest, the governor, the self-telemetry and the status line each want it once a second:
 # they share one reading this fresh (live_totals at close always reads anew).
 AGGREGATES_FRESH_S = 0.5
+_NO_EVENTS = np.empty(0, dtype=EVENT_DTYPE)  # a wake that left a sparse ring undrained
 
 
 def _own_age_s(procfs: ProcFS) -> float:
@@ -188,10 +189,12 @@ class AttachSession:
         self.totals = aggregates.Totals()
         self._start_ticks = 0
         self._ring: RingConsumer | None = None
+        self._drains = DrainPacer()  # a sparse ring is drained about once a second (bpf/ringbuf.py)
         self._next_refresh = 0.0
         self._next_maps = 0.0
         self._ncpus = 1
         self._live: tuple[float, np.ndarray, np.ndarray] | None = None  # (read at, keys, values)
+        self._counters: tuple[float, dict[int, int]] | None = None  # (read at, the kernel's counters)
         self._closed = False
         self._final: dict | None = None
         self.process_age_at_start_s = _own_age_s(self.procfs)
@@ -316,13 +319,17 @@ class AttachSession:
             return False
 
     def poll(self, events: np.ndarray | None = None) -> np.ndarray:
-        """Drains the ring (one numpy batch), and refreshes slow-moving state once a second. A shared
-        session is handed its events (the fleet drained the ring) and returns them."""
+        """Drains the ring (one numpy batch) when its drain is due (DrainPacer: a sparse ring about once a
+        second), and refreshes slow-moving state once a second. A shared session is handed its events (the
+        fleet drained the ring) and returns them."""
         if events is None:
             assert self._ring is not None
-            began = time.perf_counter()
-            events = self._ring.drain()
-            self.stats.decode_seconds += time.perf_counter() - began
+            if self._drains.due(self._ring, time.monotonic(), eager=self.stats.first_event_after_s is None):
+                began = time.perf_counter()
+                events = self._ring.drain()
+                self.stats.decode_seconds += time.perf_counter() - began
+            else:
+                events = _NO_EVENTS
         self.stats.polls += 1
         if len(events):
             self.stats.sampled += len(events)
@@ -387,7 +394,15 @@ class AttachSession:
         return keys, values
 
     def counters(self) -> dict[str, int]:
-        raw = self.program.counters() if self.program else {}
+        """The kernel's counters (drops, overflows), from a reading at most AGGREGATES_FRESH_S old: the
+        once-a-second readers (the snapshot's drops, the self-telemetry, the status line) share one
+        bpf syscall a second instead of one each (~0.3 ms each on this VM). Close reads them anew."""
+        now = time.monotonic()
+        if self._counters is None or now - self._counters[0] >= AGGREGATES_FRESH_S:
+            self._counters = (now, self.program.counters() if self.program else {})
+        return self._named_counters(self._counters[1])
+
+    def _named_counters(self, raw: dict[int, int]) -> dict[str, int]:
         named = {name: raw.get(i, 0) for i, name in enumerate(COUNTERS)}
         named["user_drops"] = self.stats.user_drops
         return named
@@ -459,7 +474,7 @@ class AttachSession:
         final = {"problems": problems, "totals": {}, "counters": {}}
         if self.program is not None and (self._ring is not None or self.options.shared):
             final["totals"] = self.live_totals()
-            final["counters"] = self.counters()
+            final["counters"] = self._named_counters(self.program.counters())
             self.program.remove_target(self.pid)
             if self.options.shared:  # the program lives on: leave none of this pid's state in its maps
                 self._forget_pid()

@@ -366,6 +366,11 @@ def _print_degrades(counts: dict, stream) -> None:
         parts.append(
             f"map reads deferred {counts['map_reads_deferred']:,} time(s) (held to the next map period)"
         )
+    if counts.get("hand_offs_deferred"):
+        parts.append(
+            f"token steps held for the store {counts['hand_offs_deferred']:,} time(s) (handed on within a"
+            " second, scored at once)"
+        )
     if parts:
         print("degraded to save CPU: " + "; ".join(parts), file=stream)
     if counts.get("store_headroom_retries"):

@@ -96,8 +96,10 @@ class LiveAnomalies:
         self._thread = threading.Thread(target=self._run, name="llmobs-anomalies", daemon=True)
         self._thread.start()
 
-    def add(self, steps: dict) -> int:
-        """Score a batch of token steps (the map reader's columns); queue the anomalies; return how many."""
+    def add(self, steps: dict, before_rows: Callable[[], object] | None = None) -> int:
+        """Score a batch of token steps (the map reader's columns); queue the anomalies; return how many.
+        `before_rows` runs first when there are rows (the pipeline hands the steps it holds to the writer:
+        a row's step is submitted before the row)."""
         try:
             newest = int(np.max(steps["step_seq"])) if len(steps["step_seq"]) else None
             steps = live_traffic(steps)  # shadow scores are not traffic (detectors.live_traffic)
@@ -109,6 +111,8 @@ class LiveAnomalies:
             count = len(rows["ts_ns"])
             self.counters.rows += count
             rows["pass_token"] = _pass_tokens(rows, steps)
+            if before_rows is not None:
+                before_rows()
             self._put(rows, count)
         if newest is not None and (self._scored_seq is None or newest > self._scored_seq):
             self._scored_seq = newest  # after the rows are queued: the lane reads it before draining

@@ -107,9 +107,7 @@ class ShmSource:
             parts.append(columns)
         if self.reader is not None and not self.reader.is_alive() and self.reader.remove_file():
             self.removed_map = self.reader.path
-        if not parts:
-            return None
-        return {k: _concat([p[k] for p in parts]) for k in parts[0]}
+        return joined_columns(parts)
 
     @property
     def map_path(self) -> str:
@@ -243,9 +241,7 @@ class ShmSource:
         parts = []
         while (columns := self.poll_layers(refresh=True)) is not None:
             parts.append(columns)
-        if not parts:
-            return None
-        return {k: _concat([p[k] for p in parts]) for k in parts[0]}
+        return joined_columns(parts)
 
     def stats(self) -> dict[str, int]:
         """The map's own drop counters (the workload's side) next to ours."""
@@ -262,6 +258,13 @@ class ShmSource:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+
+
+def joined_columns(parts: list[dict]) -> dict | None:
+    """Batches of the same columns (the map reader's: numpy arrays or lists) as one (None: no batch)."""
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return {k: _concat([p[k] for p in parts]) for k in parts[0]}
 
 
 def _concat(parts: list) -> list | np.ndarray:

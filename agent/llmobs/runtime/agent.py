@@ -21,20 +21,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from llmobs.bpf.records import EVENT_DTYPE
+from llmobs.bpf.ringbuf import DEFER_SHARE, DrainPacer
 from llmobs.dataflow import CompositeSink, Sink
 from llmobs.runtime import cpu_priority, startup_pages
 from llmobs.stagecpu import STAGES
 
-# The ring is submitted without wake-ups; it is drained every DRAIN_PERIOD_S[0] (20 ms) while events
+# The ring is submitted without wake-ups; the loop wakes every DRAIN_PERIOD_S[0] (20 ms) while events
 # flow fast (a drain brought >= 1% of the ring), and while it is sparse as rarely as the ring allows:
-# every ring_records / MAX_EVENTS_PER_S seconds, the time the fastest probes take to fill an empty ring
-# (a burst that starts just after a sparse drain cannot overflow it before the next), never more than
-# DRAIN_PERIOD_S[1]. Each drain costs a fixed ~0.3-0.4 ms (the ring read, the session's harvest, the
-# pipeline's checks): at a slowly stepping target 20 drains a second were ~8 ms of CPU a second
-# (bench/step_cost). The default 16 MiB ring (233,016 records) gives 97 ms. The loss-anomaly rows'
-# latency does not grow with it: the map's steps are read at most every MAP_PERIOD_S (80 ms) anyway,
-# which at the former 50 ms sparse drain fell on every other drain (~100 ms); now on every drain. The
-# spike-to-row target (< 200 ms at p99, docs/diagnostics.md) is measured by bench/anomaly_latency.
+# every (1 - DEFER_SHARE) x ring_records / MAX_EVENTS_PER_S seconds, the time the fastest probes take to
+# fill the ring's free part (a wake leaves a ring holding less than DEFER_SHARE undrained, bpf/ringbuf.py
+# DrainPacer: a burst that starts just after it cannot overflow the ring before the next), never more
+# than DRAIN_PERIOD_S[1]. Each wake costs a fixed few hundred us (the map read, the detectors): at a
+# slowly stepping target 20 wakes a second were ~8 ms of CPU a second (bench/step_cost). The default 16
+# MiB ring (233,016 records) gives 94 ms. The loss-anomaly rows' latency does not grow with it: the map's
+# steps are read at most every MAP_PERIOD_S (80 ms) anyway, on every sparse wake. The spike-to-row
+# target (< 200 ms at p99, docs/diagnostics.md) is measured by bench/anomaly_latency.
 DRAIN_PERIOD_S = (0.02, 0.1)
 # The event rate the sparse period is sized for: the ingest target of issue 14 (the decoder's 2.4 M
 # events/s on one core); the probes of a real workload stay far below it.
@@ -46,12 +47,12 @@ _NO_EVENTS = np.empty(0, dtype=EVENT_DTYPE)
 
 
 def sparse_period(ring_records: int) -> float:
-    """The drain period of a sparse ring of `ring_records` events: the time MAX_EVENTS_PER_S take to fill
-    it, within DRAIN_PERIOD_S (busy .. longest)."""
+    """The wake period of a sparse ring of `ring_records` events: the time MAX_EVENTS_PER_S take to fill
+    what a wake may leave free of it, within DRAIN_PERIOD_S (busy .. longest)."""
     busy, longest = DRAIN_PERIOD_S
     if ring_records <= 0:  # nothing to drain yet (a daemon with no target): the longest wait
         return longest
-    return min(max(ring_records / MAX_EVENTS_PER_S, busy), longest)
+    return min(max(ring_records * (1 - DEFER_SHARE) / MAX_EVENTS_PER_S, busy), longest)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class Agent:
         self.owns_store = owns_store
         self.ring = ring  # a shared RingConsumer (the daemon's fleet), or None: each session drains its own
         self.ring_records = ring_records  # how many events the shared ring holds when full
+        self._drains = DrainPacer()  # the shared ring's: a sparse one drained about once a second
         self.exporter = exporter
         self.log = log
         self.on_detach = on_detach
@@ -344,7 +346,8 @@ class Agent:
         drained = 0
         routed: dict[int, np.ndarray] = {}
         began = STAGES.now()
-        if self.ring is not None:
+        ring = self.ring
+        if ring is not None and self._drains.due(ring, time.monotonic(), eager=not ring.records):
             events = self.ring.drain()
             drained += len(events)
             routed = self._route(events)
