@@ -8,7 +8,8 @@ target publishes token steps; after a warm-up, a window of --seconds is measured
     temporary directory here) at the same two moments, so the steps are those the agent took in;
   - by stage (trees that have llmobs.stagecpu): the snapshot's agent.stage_cpu, diffed the same way.
 Figures: agent CPU us per token step (and by stage), % of a core, steps/s taken in, and the drop
-counters at the window's end by group (`drop_figures`: map lapped, map rejected, kernel, store and sinks).
+counters at the window's end by group (`drop_figures`: map lapped, map rejected, kernel, store queue full,
+store failed, other sinks).
 
 Loads: the synthetic publisher (bench/synthetic_publisher.py: the real map writer, --batch rows per
 forward pass) at each --rates (default 1000, 5000, 20000 steps/s), the tiny model generating
@@ -54,11 +55,14 @@ BETTER = {"us/step": "lower", "% core": "lower", "steps/s": "higher"}
 
 # The agent's drop counters (Pipeline.drops, in its `top` snapshot) in the groups a reader acts on: the
 # map's ring lapped (the agent fell behind the workload), steps the map rejected or its writer dropped,
-# the kernel's ring and aggregate map, and the store with its sinks (every other counter).
+# the kernel's ring and aggregate map, the store writer's queue full (the writer fell behind: a long
+# commit) or its commits failed, and the other sinks (every other counter).
 DROP_GROUPS = {
     "map lapped": ("map_lost",),
     "map rejected": ("map_corrupt", "map_writer_dropped"),
     "kernel": ("ring_drops", "agg_overflow"),
+    "store queue full": ("store_dropped",),
+    "store failed": ("store_failed",),
 }
 
 
@@ -69,7 +73,7 @@ def drop_figures(drops: dict[str, int]) -> dict[str, int]:
     for name, counters in DROP_GROUPS.items():
         figures[f"drops: {name}"] = sum(drops.get(c, 0) for c in counters)
         grouped.update(counters)
-    figures["drops: store and sinks"] = sum(v for k, v in drops.items() if k not in grouped)
+    figures["drops: other sinks"] = sum(v for k, v in drops.items() if k not in grouped)
     return figures
 
 

@@ -211,5 +211,6 @@ def test_step_cost_names_each_drop_counter_group_and_they_add_up_to_the_total() 
              "store_dropped": 100, "store_failed": 5, "sink_otlp_failed": 9}  # fmt: skip
     figures = drop_figures(drops)
     assert figures == {"agent: drops": 158, "drops: map lapped": 7, "drops: map rejected": 3,
-                       "drops: kernel": 34, "drops: store and sinks": 114}  # fmt: skip
+                       "drops: kernel": 34, "drops: store queue full": 100, "drops: store failed": 5,
+                       "drops: other sinks": 9}  # fmt: skip
     assert drop_figures({}) == dict.fromkeys(figures, 0)

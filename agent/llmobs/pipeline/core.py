@@ -200,6 +200,7 @@ class Pipeline:
         self._held_events = 0
         self._held_steps: list[dict] = []  # token-step batches read and scored, not yet handed on
         self._held_step_count = 0
+        self._handed_ns = 0  # thread CPU of a hand-off inside the detectors' call (_hand_before_rows)
         self._fresh = False  # rows were submitted since the last correlate began
         self._arrived = threading.Event()  # set with _fresh: wakes a correlate thread that found nothing
         self.correlate_idle = 0  # correlate runs skipped: nothing new was submitted (an idle target)
@@ -296,7 +297,7 @@ class Pipeline:
             count = len(steps["step_seq"])
             self._held_steps.append(steps)
             self._held_step_count += count
-            self._score(steps, before_rows=self._hand_held)
+            self._score(steps, before_rows=self._hand_before_rows)
         slow = now >= self._next_slow
         if slow or self._held_step_count >= HAND_STEPS or self._held_events >= HOLD_EVENTS:
             self._hand_held()
@@ -348,8 +349,16 @@ class Pipeline:
         self.training.add_steps(steps)
         began = STAGES.charge("training", began)
         if self.anomalies is not None:
+            self._handed_ns = 0
             self.anomalies.add(steps, before_rows=before_rows)
-            STAGES.charge("detectors", began)
+            STAGES.charge("detectors", began + self._handed_ns)  # less the hand-off's own stages
+
+    def _hand_before_rows(self) -> None:
+        """What is held, handed on ahead of a flagged token's row: inside the detectors' call, so its
+        time (charged to its own stages) is kept out of theirs."""
+        began = STAGES.now()
+        self._hand_held()
+        self._handed_ns += STAGES.now() - began
 
     def _add_request_events(self, events: dict | None) -> None:
         if events is not None:  # served requests' ends and prefill chunks (map ABI v3)
