@@ -914,15 +914,8 @@ def _exact_ints(column, n: int) -> list[int] | None:
     """n ints (a 1-d integer array, or a list of Python ints) of magnitude below EXACT_INT_LIMIT, as Python
     ints: exactly np.asarray(column, np.int64)'s values. None for anything else (floats, bools, numpy
     scalars in a list, a missing or short column)."""
-    if isinstance(column, np.ndarray):
-        if column.ndim != 1 or column.dtype.kind not in "iu":
-            return None
-        values = column.tolist()
-    elif type(column) is list and all(type(v) is int for v in column):
-        values = column
-    else:
-        return None
-    if len(values) != n or (values and not -EXACT_INT_LIMIT < min(values) <= max(values) < EXACT_INT_LIMIT):
+    values = _exact_column(column, n, "iu", int)
+    if values and not -EXACT_INT_LIMIT < min(values) <= max(values) < EXACT_INT_LIMIT:
         return None
     return values
 
@@ -930,11 +923,17 @@ def _exact_ints(column, n: int) -> list[int] | None:
 def _exact_floats(column, n: int) -> list[float] | None:
     """n floats (a 1-d array of float16/32/64, or a list of Python floats) as Python floats: exactly
     np.asarray(column, np.float64)'s values. None for anything else."""
+    return _exact_column(column, n, "f", float)
+
+
+def _exact_column(column, n: int, kinds: str, python_type: type) -> list | None:
+    """n values of a 1-d array whose dtype kind is one of `kinds` (at most 8 bytes an item), or of a list
+    of exactly `python_type`, as Python values; None for anything else."""
     if isinstance(column, np.ndarray):
-        if column.ndim != 1 or column.dtype.kind != "f" or column.dtype.itemsize > 8:
+        if column.ndim != 1 or column.dtype.kind not in kinds or column.dtype.itemsize > 8:
             return None
         values = column.tolist()
-    elif type(column) is list and all(type(v) is float for v in column):
+    elif type(column) is list and all(type(v) is python_type for v in column):
         values = column
     else:
         return None
