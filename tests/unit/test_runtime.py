@@ -48,7 +48,7 @@ class Session:
         self.alive = True
         self.closed = False
         self.final_events = events_of() if final_events is None else final_events
-        self.stats = SimpleNamespace(user_drops=0)
+        self.stats = SimpleNamespace(user_drops=0, first_event_after_s=None)
         self.ring_records = 10_000
         self.handed: list[np.ndarray] = []
 
@@ -132,6 +132,21 @@ def test_a_shared_ring_is_drained_once_and_routed_by_pid():
     assert sinks[10].pids == [10, 10] and sinks[20].pids == [20, 20]
     assert runtime.unrouted == 1  # pid 99 is no target: counted, not handed to anyone
     assert runtime.targets[10].events == 2 and runtime.targets[20].events == 2
+
+
+def test_a_sparse_shared_ring_waits_only_once_every_target_has_seen_an_event():
+    a, b = Session(10), Session(20)
+    ring = Ring(events_of(10), events_of(10), events_of(20))
+    ring.data_bytes = 1 << 20  # one pending event is far below the share a wake may leave undrained
+    runtime = agent(ring=ring, ring_records=1000)
+    for session in (a, b):
+        runtime.add(session, shared=True)
+    a.stats.first_event_after_s = 0.1  # a has seen its first event, b (just found) has not
+    assert runtime.poll() == 1  # drained: b's first event must not wait for a sparse drain
+    assert runtime.poll() == 1
+    b.stats.first_event_after_s = 0.2
+    assert runtime.poll() == 0  # every target has seen one: the sparse ring waits (DEFER_MAX_S)
+    assert len(ring.batches) == 1
 
 
 def test_a_session_with_its_own_ring_is_drained_through_its_poll():

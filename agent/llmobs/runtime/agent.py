@@ -347,7 +347,7 @@ class Agent:
         routed: dict[int, np.ndarray] = {}
         began = STAGES.now()
         ring = self.ring
-        if ring is not None and self._drains.due(ring, time.monotonic(), eager=not ring.records):
+        if ring is not None and self._drains.due(ring, time.monotonic(), eager=self._awaiting_first_event()):
             events = self.ring.drain()
             drained += len(events)
             routed = self._route(events)
@@ -365,6 +365,11 @@ class Agent:
             self._next_slow = now + SLOW_TICK_S
             self._slow_tick(now)
         return drained
+
+    def _awaiting_first_event(self) -> bool:
+        """A target of the shared ring has seen no event yet (a daemon's newly found one): its first
+        event is not kept waiting for a sparse drain (the attach-to-first-event latency)."""
+        return any(t.session.stats.first_event_after_s is None for t in self.targets.values())
 
     def _hand(self, target: Target, events: np.ndarray) -> None:
         target.events += len(events)
