@@ -301,7 +301,7 @@ class Pipeline:
         slow = now >= self._next_slow
         if slow or self._held_step_count >= HAND_STEPS or self._held_events >= HOLD_EVENTS:
             self._hand_held()
-        else:
+        elif self._held_step_count or self._held:  # something waits: counted (an idle read holds nothing)
             STAGES.count("hand_offs_deferred")
         began = STAGES.now()
         self._add_layers(self.shm.poll_layers())
