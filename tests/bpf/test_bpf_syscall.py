@@ -9,9 +9,10 @@ import struct
 
 import numpy as np
 import pytest
-from llmobs.bpf import syscall
+from llmobs.bpf import aggregates, syscall
 from llmobs.bpf.cache import MapSpec
 from llmobs.bpf.maps import BpfMap
+from llmobs.bpf.records import AGG_KEY_DTYPE, AGG_VAL_DTYPE
 
 
 @pytest.fixture
@@ -65,6 +66,43 @@ def test_batches_read_update_and_delete_many_keys(fds):
     assert (got_keys[:total][order] == keys).all() and (got_values[:total][order] == values).all()
     assert syscall.map_delete_batch(table.fd, keys[:1000], 1000) == 1000
     assert len(list(table.iter_keys())) == 2000
+
+
+@pytest.mark.parametrize("chunk", [1, 7, aggregates.READ_CHUNK])
+def test_aggregate_totals_read_whole_in_chunks_whatever_a_bucket_holds(fds, chunk):
+    """read_totals in chunks: every entry once, whatever the chunk (a chunk of 1 meets buckets of 2+
+    entries, the kernel's ENOSPC, and must grow), summed over CPUs for a per-CPU hash, capped."""
+    rng = np.random.default_rng(chunk)
+    entries = 65536
+    keys = np.zeros(5000, dtype=AGG_KEY_DTYPE)
+    keys["pid"], keys["probe"] = 7, rng.integers(0, 9, 5000)
+    keys["step_seq"] = rng.choice(10**12, 5000, replace=False)
+    values = np.zeros(5000, dtype=AGG_VAL_DTYPE)
+    for field in AGG_VAL_DTYPE.names:
+        values[field] = rng.integers(0, 2**40, 5000)
+    plain = _map(fds, syscall.MAP_HASH, AGG_KEY_DTYPE.itemsize, AGG_VAL_DTYPE.itemsize, entries)
+    assert syscall.map_update_batch(plain.fd, keys, values, len(keys)) == 5000
+    got_keys, got_values = aggregates.read_totals(plain.fd, entries, 1, chunk=chunk)
+    order = np.argsort(got_keys["step_seq"])
+    assert (got_keys[order] == keys[np.argsort(keys["step_seq"])]).all()
+    assert (got_values[order] == values[np.argsort(keys["step_seq"])]).all()
+    capped, _ = aggregates.read_totals(plain.fd, 1000, 1, chunk=chunk)
+    assert len(capped) == 1000 and len(np.unique(capped["step_seq"])) == 1000
+
+    ncpus = syscall.possible_cpus()
+    per_cpu = _map(fds, syscall.MAP_PERCPU_HASH, AGG_KEY_DTYPE.itemsize, AGG_VAL_DTYPE.itemsize, entries)
+    slots = np.zeros((300, ncpus), dtype=AGG_VAL_DTYPE)
+    for field in AGG_VAL_DTYPE.names:
+        slots[field] = rng.integers(0, 2**32, (300, ncpus))
+    assert syscall.map_update_batch(per_cpu.fd, keys[:300], slots, 300) == 300
+    got_keys, summed = aggregates.read_totals(per_cpu.fd, entries, ncpus, chunk=chunk)
+    order = np.argsort(got_keys["step_seq"])
+    want = np.argsort(keys[:300]["step_seq"])
+    assert (got_keys[order] == keys[:300][want]).all()
+    for field in AGG_VAL_DTYPE.names:
+        assert (summed[field][order] == slots[field].sum(axis=1)[want]).all()
+    empty = _map(fds, syscall.MAP_HASH, AGG_KEY_DTYPE.itemsize, AGG_VAL_DTYPE.itemsize, entries)
+    assert [len(a) for a in aggregates.read_totals(empty.fd, entries, 1, chunk=chunk)] == [0, 0]
 
 
 def test_per_cpu_values_are_one_aligned_slot_per_possible_cpu(fds):

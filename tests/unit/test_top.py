@@ -8,6 +8,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -216,3 +217,15 @@ def test_snapshot_files_are_json(tmp_path):
     path = tmp_path / "attach.1.json"
     write_snapshot(path, {"a": 1})
     assert json.loads(path.read_text()) == {"a": 1} and not list(tmp_path.glob(".*tmp"))
+
+
+def test_a_snapshot_makes_its_directory_when_missing_and_again_after_removal(tmp_path):
+    path = tmp_path / "run" / "llmobs" / "attach.1.json"
+    write_snapshot(path, {"a": 1})
+    shutil.rmtree(tmp_path / "run")
+    write_snapshot(path, {"a": 2})
+    assert json.loads(path.read_text()) == {"a": 2} and not list(path.parent.glob(".*tmp"))
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    with pytest.raises(NotADirectoryError):  # the caller's OSError: said once, snapshots stop
+        write_snapshot(blocked / "attach.1.json", {"a": 3})

@@ -419,8 +419,7 @@ class Pipeline:
             "attached": [p.name for p in self.bpf.session.attached_probes] if self.bpf else [],
         }
         try:
-            self._snapshot.parent.mkdir(parents=True, exist_ok=True)
-            write_snapshot(self._snapshot, data)
+            write_snapshot(self._snapshot, data)  # makes the run directory when it is missing
         except OSError as exc:  # no /run/llmobs (not root): `top` falls back to reading the map
             self._snapshot_ok = False
             self.last_error = f"snapshot {self._snapshot}: {exc.strerror}"
