@@ -97,3 +97,29 @@ def test_an_append_over_the_cap_is_committed_with_headroom_not_lost(tmp_path):
         assert _limit(store.connection.cursor()) == _limit(store.connection)  # the cap is back
     finally:
         store.close()
+
+
+def test_a_commit_that_cannot_allocate_a_block_is_run_again_with_headroom(tmp_path):
+    """A commit that needs a block while another lane holds the cap fails with DuckDB's TransactionException
+    "Failed to commit: could not allocate block ..." (seen at 20k steps/s: ~22,000 rows of a commit lost).
+    Real DuckDB: an in-memory temp table on another cursor holds ~25 MB of the 32 MB cap (no temp
+    directory to offload it to), so a 15,000-row append's inserts fit and its commit cannot get a block
+    (the premise, checked first on a cursor of its own); through the store it commits every row."""
+    store = DuckDBStore(tmp_path / "s.duckdb", memory_limit="32MB", threads=1)
+    try:
+        hog = store.connection.cursor()
+        hog.execute("SET temp_directory = ''")  # the database's: nothing of the temp table can be offloaded
+        hog.execute("CREATE TEMP TABLE hog AS SELECT i, md5(i::VARCHAR) s FROM range(530000) r(i)")
+        steps = synthetic.token_steps(4242, requests=15, tokens_per_request=1000)
+        premise = store.connection.cursor()
+        premise.execute("BEGIN TRANSACTION")
+        premise.execute("INSERT INTO token_steps BY NAME SELECT * FROM steps")
+        with pytest.raises(duckdb.TransactionException, match="Failed to commit: could not allocate block"):
+            premise.execute("COMMIT")
+        premise.close()
+        assert store.count("token_steps") == 0
+        assert store.append({"token_steps": steps}) == {"token_steps": 15_000}
+        assert store.headroom_retries == 1 and store.count("token_steps") == 15_000
+        assert _limit(hog) == "30.5 MiB"  # the cap is back
+    finally:
+        store.close()

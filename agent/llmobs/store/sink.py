@@ -75,12 +75,20 @@ _ON_CONFLICT = {
 }
 
 
+# What DuckDB's buffer manager says when a commit needs a block the cap has no room for; the commit's
+# TransactionException wraps it ("Failed to commit: could not allocate block of size 256.0 KiB (30.7
+# MiB/30.5 MiB used)"). Only "failed to pin" was known here: the other one failed whole commits at 20k
+# steps/s (~22,000 rows in 2 of 5 attaches, bench/step_cost's "store failed").
+_COMMIT_OUT_OF_MEMORY = ("failed to pin block", "could not allocate block")
+
+
 def _out_of_memory(exc: duckdb.Error) -> bool:
     """DuckDB ran out of its memory cap: its own error, or a commit that failed for it (a
-    TransactionException: "Failed to commit: failed to pin block of size ...")."""
+    TransactionException naming a block it could not pin or allocate)."""
     if isinstance(exc, duckdb.OutOfMemoryException):
         return True
-    return isinstance(exc, duckdb.TransactionException) and "failed to pin block" in str(exc)
+    text = str(exc)
+    return isinstance(exc, duckdb.TransactionException) and any(s in text for s in _COMMIT_OUT_OF_MEMORY)
 
 
 def agent_memory_limit() -> str:
