@@ -302,3 +302,9 @@ def test_the_detach_summary_says_in_one_line_where_the_agent_degraded():
     quiet = io.StringIO()
     _print_degrades({"token_steps": 9}, quiet)
     assert quiet.getvalue() == ""
+    store = io.StringIO()
+    _print_degrades({"store_headroom_retries": 2, "store_cap_restores_deferred": 1}, store)
+    assert store.getvalue().splitlines() == [
+        "store: 2 statement(s) ran out of the DuckDB memory cap and were run again with more"
+        " (store/sink.py HEADROOM_MEMORY_LIMIT); the cap was put back later 1 time(s) (memory still in use)"
+    ]

@@ -123,3 +123,32 @@ def test_a_commit_that_cannot_allocate_a_block_is_run_again_with_headroom(tmp_pa
         assert _limit(hog) == "30.5 MiB"  # the cap is back
     finally:
         store.close()
+
+
+def test_a_cap_that_cannot_be_put_back_yet_stays_raised_and_the_statement_stands(tmp_path):
+    """After a retry, DuckDB refuses to lower the cap while more than it is in use ("Failed to change
+    memory limit ... could not free up enough memory"). Before, that refusal failed the statement that
+    had just succeeded (an append's committed rows counted failed). Now the statement stands, the cap
+    stays raised (counted), and the next statement through the store puts it back once memory is free.
+    Real DuckDB: temp tables with no temp directory hold the memory."""
+    store = DuckDBStore(tmp_path / "s.duckdb", memory_limit="32MB", threads=1)
+    try:
+        hog = store.connection.cursor()
+        hog.execute("SET temp_directory = ''")
+        hog.execute("CREATE TEMP TABLE hog AS SELECT i, md5(i::VARCHAR) s FROM range(530000) r(i)")
+        more = "CREATE TEMP TABLE more AS SELECT i, md5(i::VARCHAR) s FROM range(300000) r(i)"
+        with pytest.raises(duckdb.OutOfMemoryException):  # the premise: over the cap
+            hog.execute(more)
+        deferred = STAGES.snapshot()["counts"].get("store_cap_restores_deferred", 0)
+        assert store.with_headroom(lambda: hog.execute(more).fetchall()) is not None
+        assert store.headroom_retries == 1
+        assert STAGES.snapshot()["counts"]["store_cap_restores_deferred"] == deferred + 1
+        assert _limit(hog) != "30.5 MiB"  # still raised: ~38 MB of temp tables are in use
+        assert store.with_headroom(lambda: hog.execute("SELECT 42").fetchall()) == [(42,)]
+        assert _limit(hog) != "30.5 MiB"  # still in use: still raised, nothing failed
+        hog.execute("DROP TABLE more")
+        hog.execute("DROP TABLE hog")
+        assert store.with_headroom(lambda: hog.execute("SELECT 43").fetchall()) == [(43,)]
+        assert _limit(hog) == "30.5 MiB" and store.headroom_retries == 1
+    finally:
+        store.close()

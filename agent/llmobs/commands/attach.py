@@ -374,9 +374,11 @@ def _print_degrades(counts: dict, stream) -> None:
     if parts:
         print("degraded to save CPU: " + "; ".join(parts), file=stream)
     if counts.get("store_headroom_retries"):
+        later = counts.get("store_cap_restores_deferred", 0)
         print(
             f"store: {counts['store_headroom_retries']:,} statement(s) ran out of the DuckDB memory cap and"
-            " were run again with more (store/sink.py HEADROOM_MEMORY_LIMIT)",
+            " were run again with more (store/sink.py HEADROOM_MEMORY_LIMIT)"
+            + (f"; the cap was put back later {later:,} time(s) (memory still in use)" if later else ""),
             file=stream,
         )
 
