@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from llmobs import clock, environment
 from llmobs.diagnostics.detectors import live_traffic
+from llmobs.pipeline.tenant_compute import TenantCompute
 from llmobs.store.schema import probe_class
 
 DEFAULT_RUN_DIR = Path("/run/llmobs")
@@ -117,10 +118,8 @@ class LiveStats:
         self.agent: dict | None = None
         # gpu_index -> (ts_ns, SM utilisation %, device memory bytes) of this pid's newest NVML sample
         self._gpu: dict[int, tuple[int, int | None, int | None]] = {}
-        # per-tenant compute: step_seq -> [t_end_ns, duration_ns, [(tenant, tokens)], t_start_ns, shares]
-        # of recent forward passes, whose duration `row` shares out by tokens with the store's rule
-        # (llmobs.pipeline.apportion); shares: [(tenant, ns)], computed once, None again when a row joins
-        self._passes: dict[int, list] = {}
+        # per-tenant compute: recent forward passes' durations shared out by tokens with the store's rule
+        self._tenant_compute = TenantCompute(MAX_PASSES)
 
     def add_steps(self, columns: dict) -> None:
         columns = live_traffic(columns)  # a shadow model's scores of tokens already counted are no traffic
@@ -145,11 +144,21 @@ class LiveStats:
         tenants = [t or "" for t in columns["tenant"]]
         loss = np.asarray(columns["loss"], dtype=np.float64)
         self._steps.add(ends, np.asarray(columns["latency_ns"], np.int64), loss, self._tenant_column(tenants))
-        ends = ends.tolist()
+        add_row = self._tenant_compute.add_row
         for seq, start, end, tenant, k in zip(
-            np.asarray(columns["step_seq"]).tolist(), starts.tolist(), ends, tenants, tokens, strict=True
+            np.asarray(columns["step_seq"]).tolist(),
+            starts.tolist(),
+            ends.tolist(),
+            tenants,
+            tokens,
+            strict=True,
         ):
-            self._add_pass_row(seq, start, end, tenant, k)
+            add_row(seq, start, end, tenant, k)
+
+    @property
+    def _passes(self) -> dict[int, list]:
+        """The forward passes held for the per-tenant compute (step_seq -> pass)."""
+        return self._tenant_compute.passes
 
     def _tenant_column(self, tenants: list[str]) -> np.ndarray | int:
         codes, distinct = self._tenant_codes, set(tenants)
@@ -169,21 +178,7 @@ class LiveStats:
             columns["tenant"], np.asarray(columns["prefill_tokens"]).tolist(), strict=True,
         ):  # fmt: skip
             if kind == "chunk" and pid == self.pid and seq:
-                self._add_pass_row(seq, start, end, tenant or "", k)
-
-    def _add_pass_row(self, seq: int, start: int, end: int, tenant: str, tokens: int) -> None:
-        if not seq:
-            return
-        slot = self._passes.get(seq)
-        if slot is None:
-            slot = self._passes[seq] = [end, 0, [], start, None]
-            if len(self._passes) > 4 * MAX_PASSES:  # bounded: keep the newest passes
-                for old in sorted(self._passes)[: len(self._passes) - MAX_PASSES]:
-                    del self._passes[old]
-        slot[0], slot[3] = max(slot[0], end), min(slot[3], start)
-        slot[1] = slot[0] - slot[3]
-        slot[2].append((tenant, int(tokens)))
-        slot[4] = None
+                self._tenant_compute.add_row(seq, start, end, tenant or "", int(k))
 
     def _tenant_rates(self, recent: np.ndarray, since_ns: int, span_s: float) -> list[dict]:
         """Per tenant over the window: tokens/s (the `recent` slots' token steps) and compute-s/s (each
@@ -191,11 +186,7 @@ class LiveStats:
         row). Passes that ended before the window are dropped: no later window holds them."""
         counts = np.bincount(self._steps.tenant[recent], minlength=len(self._tenant_names)).tolist()
         tokens = {self._tenant_names[code]: k for code, k in enumerate(counts) if k}
-        self._passes = {seq: slot for seq, slot in self._passes.items() if slot[0] >= since_ns}
-        compute: dict[str, float] = {}
-        for slot in self._passes.values():
-            for tenant, ns in slot[4] if slot[4] is not None else _pass_shares(slot):
-                compute[tenant] = compute.get(tenant, 0.0) + ns
+        compute = self._tenant_compute.since(since_ns)
         all_compute = sum(compute.values())
         rates = [
             {
@@ -288,21 +279,6 @@ class LiveStats:
             **self._gpu_row(since),
             **({"agent": self.agent} if self.agent is not None else {}),
         }
-
-
-def _pass_shares(slot: list) -> list[tuple[str, float]]:
-    """A pass's duration shared out by its rows' tokens (cached in the slot until a row joins it)."""
-    _end, duration, rows, _start, _shares = slot
-    shares: dict[str, float] = {}
-    if rows:
-        known = [k for _, k in rows if k > 0]
-        fill = max(round(sum(known) / len(known)), 1) if known else 1
-        weights = [(t, k if k > 0 else fill) for t, k in rows]
-        total = sum(w for _, w in weights)
-        for tenant, w in weights:
-            shares[tenant] = shares.get(tenant, 0.0) + duration * w / total
-    slot[4] = list(shares.items())
-    return slot[4]
 
 
 def write_snapshot(path: Path, data: dict) -> None:
