@@ -252,31 +252,30 @@ class DuckDBStore:
                 try:
                     return run()
                 finally:
-                    self._lower_cap(settings)
+                    self._lower_cap()
             finally:
                 settings.close()
 
-    def _lower_cap(self, settings: duckdb.DuckDBPyConnection) -> None:
-        """The cap back. DuckDB refuses to lower it while more than it is in use (another lane's statement,
-        or what the retried one still holds): then it stays raised, counted, and the next statement
-        through with_headroom tries again. Before, the refusal failed the statement that had just
-        succeeded (at 20k steps/s: an append's ~22,000 committed rows counted as failed)."""
+    def _lower_cap(self) -> None:
+        """The cap back (the caller holds _headroom_lock), through a cursor of its own. DuckDB refuses to
+        lower it while more than it is in use (another lane's statement, or what the retried one still
+        holds): then it stays raised, counted, and the next statement through with_headroom tries again.
+        Before, the refusal failed the statement that had just succeeded (at 20k steps/s: an append's
+        ~22,000 committed rows counted as failed)."""
+        settings = self._conn.cursor()
         try:
             settings.execute("SET memory_limit = $limit", {"limit": self._memory_limit})
         except duckdb.Error:
             STAGES.count("store_cap_restores_deferred")
             return
+        finally:
+            settings.close()
         self._cap_raised = False
 
     def _restore_cap(self) -> None:
         with self._headroom_lock:
-            if not self._cap_raised:
-                return
-            settings = self._conn.cursor()
-            try:
-                self._lower_cap(settings)
-            finally:
-                settings.close()
+            if self._cap_raised:
+                self._lower_cap()
 
     def _open(self) -> None:
         read_only, threads = self.read_only, self._threads
