@@ -98,3 +98,18 @@ def test_maps_containing_parses_only_the_lines_that_name_it(tmp_path):
     assert len(procfs.maps(42)) == 3
     assert [e.path for e in procfs.maps(42, containing="llmobs")] == [
         "/dev/shm/llmobs.42", "/opt/x/libllmobs_otel_thread_ctx.so"]  # fmt: skip
+
+
+def test_latency_percentiles_of_a_large_window_come_from_a_random_draw_that_cannot_alias(monkeypatch):
+    """Above PERCENTILE_STEPS the percentiles are read from a random draw of the window's steps: every
+    20th step slow (5%) must read p50 fast and p99 slow, which every-20th-step sampling would not."""
+    monkeypatch.setattr(live, "PERCENTILE_STEPS", 1_000)
+    stats = LiveStats(7)
+    ends = SECOND + np.arange(20_000, dtype=np.int64) * 100_000  # 20,000 steps in 2 s
+    steps = _steps(1, ends, ["a"] * len(ends))
+    steps["latency_ns"] = np.where(np.arange(len(ends)) % 20 == 0, 100_000_000, 1_000_000)
+    stats.add_steps(steps)
+    row = stats.row(int(ends[-1]))
+    assert (row["p50_ms"], row["p99_ms"]) == (1.0, 100.0)
+    monkeypatch.setattr(live, "PERCENTILE_STEPS", 20_000)  # at the bound: every step, exactly
+    assert (stats.row(int(ends[-1]))["p50_ms"], stats.row(int(ends[-1]))["p99_ms"]) == (1.0, 100.0)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
+from llmobs.pipeline import tenant_compute
 from llmobs.pipeline.tenant_compute import TenantCompute
 
 
@@ -72,32 +74,110 @@ def _stream(seed: int, max_passes: int):
             )
 
 
+class Interned:
+    """TenantCompute with tenant names: it takes integer codes (the caller interns them)."""
+
+    def __init__(self, max_passes: int):
+        self.compute = TenantCompute(max_passes)
+        self.names: list[str] = []
+
+    def code(self, tenant: str) -> int:
+        if tenant not in self.names:
+            self.names.append(tenant)
+        return self.names.index(tenant)
+
+    def add_row(self, seq, start, end, tenant, tokens):
+        self.compute.add_row(seq, start, end, self.code(tenant), tokens)
+
+    def add_rows(self, rows):
+        seq, start, end, tenant, tokens = zip(*rows, strict=True)
+        self.compute.add_rows(
+            np.array(seq),
+            np.array(start),
+            np.array(end),
+            np.array([self.code(t) for t in tenant]),
+            np.array(tokens),
+        )
+
+    def since(self, since_ns):
+        return {self.names[code]: ns for code, ns in self.compute.since(since_ns).items()}
+
+    def shares_by_pass(self) -> dict[int, int]:
+        """Each held pass's shares summed (merged first, as a reading does)."""
+        groups = self.compute._merge()
+        sums: dict[int, int] = {}
+        for seq, share in zip(groups["seq"].tolist(), self.compute._shares.tolist(), strict=True):
+            sums[seq] = sums.get(seq, 0) + share
+        return sums
+
+    def durations(self) -> dict[int, int]:
+        groups = self.compute._merge()
+        spans: dict[int, list] = {}
+        for seq, start, end in zip(
+            groups["seq"].tolist(), groups["start"].tolist(), groups["end"].tolist(), strict=True
+        ):
+            span = spans.setdefault(seq, [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+        return {seq: max(end - start, 0) for seq, (start, end) in spans.items()}
+
+
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("max_passes", [3, 20_000])
-def test_running_sums_match_the_rule_summed_anew_at_every_reading(seed, max_passes):
-    running, reference = TenantCompute(max_passes), Reference(max_passes)
+def test_the_shares_match_the_rule_summed_anew_at_every_reading(seed, max_passes):
+    running, reference = Interned(max_passes), Reference(max_passes)
     readings = 0
     for op in _stream(seed, max_passes):
         if op[0] == "row":
             running.add_row(*op[1:])
             reference.add_row(*op[1:])
             continue
-        got, want = dict(running.since(op[1])), reference.since(op[1])
+        got, want = running.since(op[1]), reference.since(op[1])
         readings += 1
-        assert running.passes.keys() == reference.passes.keys()
+        assert running.compute.held == reference.passes.keys()
         assert got.keys() == want.keys()  # a tenant of a held pass, even with no time, is there
         for tenant, ns in want.items():  # exact integers: within 1 ns a held pass of the float rule
-            assert abs(got[tenant] - ns) <= len(running.passes), (tenant, got[tenant], ns)
+            assert abs(got[tenant] - ns) <= len(reference.passes), (tenant, got[tenant], ns)
             assert isinstance(got[tenant], int) and got[tenant] >= 0
-        held = {seq: slot for seq, slot in running.passes.items()}
-        for seq, slot in held.items():  # each pass's shares add up to its duration exactly
-            if slot[3] is not None:
-                assert sum(slot[3].values()) == max(slot[0] - slot[1], 0), seq
+        assert running.shares_by_pass() == running.durations()  # each pass's shares add up to its duration
     assert readings > 5
 
 
+def _batches(seed: int):
+    """The same random streams, the rows between two readings cut into random runs, each to be added as
+    one batch or a row at a time (so batches and single rows interleave between readings)."""
+    rng = random.Random(seed)
+    run: list[tuple] = []
+    for op in _stream(seed, 20_000):
+        if op[0] == "row":
+            run.append(op[1:])
+            if rng.random() < 0.3:
+                yield rng.choice(["batch", "single"]), run
+                run = []
+            continue
+        if run:
+            yield rng.choice(["batch", "single"]), run
+        run = []
+        yield op
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_batches_and_single_rows_add_as_their_rows_one_by_one_would(seed):
+    mixed, one_by_one = Interned(20_000), Interned(20_000)
+    for op in _batches(seed):
+        if op[0] in ("batch", "single"):
+            if op[0] == "batch":
+                mixed.add_rows(op[1])
+            for row in op[1]:
+                one_by_one.add_row(*row)
+                if op[0] == "single":
+                    mixed.add_row(*row)
+            continue
+        assert mixed.since(op[1]) == one_by_one.since(op[1])  # exactly: the remainders' ties too
+        assert mixed.compute.held == one_by_one.compute.held
+
+
 def test_a_pass_shares_by_tokens_with_unknown_rows_at_the_known_mean_and_remainders_to_the_largest():
-    compute = TenantCompute(100)
+    compute = Interned(100)
     compute.add_row(5, 0, 10, "a", 3)
     compute.add_row(5, 0, 10, "b", 1)
     compute.add_row(5, 0, 10, "c", 0)  # unknown: weighs round(mean(3, 1)) = 2
@@ -105,12 +185,42 @@ def test_a_pass_shares_by_tokens_with_unknown_rows_at_the_known_mean_and_remaind
     assert compute.since(0) == {"a": 5, "b": 2, "c": 3}
     compute.add_row(5, 0, 12, "b", 2)  # a row joins after the reading, and the pass ends later
     assert compute.since(0) == {"a": 5, "b": 4, "c": 3}  # 12 ns by 3:3:2 of 8: 4.5, 4.5, 3; tie -> a first
-    assert compute.since(13) == {} and not compute.passes  # it left the window: nothing held
+    compute.add_rows([(6, 20, 30, "c", 1), (6, 20, 30, "b", 1), (6, 20, 30, "a", 1)])
+    # 10 ns by 1:1:1 of 3: 3 each, remainder 1 each; the one ns left to the tenant whose row came first
+    assert compute.since(13) == {"a": 3, "b": 3, "c": 4} and compute.compute.held == {6}  # pass 5 left
+    assert compute.since(31) == {} and not compute.compute.held  # it left the window: nothing held
 
 
-def test_the_heap_stays_bounded_without_readings():
-    compute = TenantCompute(10)
+def test_a_long_pass_of_many_tokens_is_shared_exactly_past_int64():
+    compute = Interned(10)
+    duration, tokens = 3 * 10**12, 5 * 10**7 + 1  # duration x weight ~1.5e20: past int64
+    compute.add_rows([(1, 0, duration, "a", tokens), (1, 0, duration, "b", 2 * tokens)])
+    a, b = duration * tokens // (3 * tokens), duration * 2 * tokens // (3 * tokens)
+    assert compute.since(0) == {"a": a + (duration - a - b), "b": b}  # 0 or 1 ns left: to the first
+    assert sum(compute.since(0).values()) == duration
+
+
+def test_passes_held_stay_bounded_without_readings():
+    compute = Interned(10)
     for seq in range(1, 2_000):
         compute.add_row(seq, seq * 10, seq * 10 + 5, "a", 1)
-    assert len(compute.passes) <= 40 and len(compute._by_end) <= 41
-    assert compute.since(0) == {"a": 5 * len(compute.passes)}
+    assert len(compute.compute.held) <= 40
+    held = compute.compute.held
+    assert compute.since(0) == {"a": 5 * len(held)} and len(compute.compute._groups["seq"]) == len(held)
+    compute.add_rows([(seq, seq * 10, seq * 10 + 5, "a", 1) for seq in range(2_000, 2_100)])
+    assert compute.compute.held == set(range(2_090, 2_100))  # over 4x after the batch: its newest 10
+
+
+def test_rows_without_readings_are_merged_at_a_bound(monkeypatch):
+    monkeypatch.setattr(tenant_compute, "MERGE_ROWS", 50)
+    merged, reference = Interned(20_000), Interned(20_000)
+    for seq in range(1, 400):
+        for tenant in ("a", "b"):
+            merged.add_row(seq // 3 + 1, seq * 10, seq * 10 + 7, tenant, seq % 4)
+    assert merged.compute._pending < 50 and len(merged.compute._groups["seq"]) > 0
+    monkeypatch.setattr(tenant_compute, "MERGE_ROWS", 1 << 30)
+    for seq in range(1, 400):
+        for tenant in ("a", "b"):
+            reference.add_row(seq // 3 + 1, seq * 10, seq * 10 + 7, tenant, seq % 4)
+    assert reference.compute._pending == 798  # merged only at its reading
+    assert merged.since(0) == reference.since(0)
