@@ -106,3 +106,68 @@ def test_final_report_covers_the_session_while_only_the_tail_is_rerolled(store):
     # only the tail's events were read (those from 1 s, the tag slack, before `since` on: ~1.2 of the
     # 4 s, rounded up to DuckDB's row groups of 122,880 rows), not the session's
     assert 0 < conn.event_rows_scanned <= EVENTS // 2
+
+
+ROW_GROUP = 122_880  # DuckDB's rows per row group: a zone map prunes whole groups
+
+
+def _token_step_rows_scanned(operators) -> int:
+    total = 0
+    for op in operators:
+        table = str(op.get("extra_info", {}).get("Table", "")).rsplit(".", 1)[-1]
+        if op.get("type") == "TABLE_SCAN" and table == "token_steps":
+            total += int(op.get("rows_scanned", op.get("intermediate_rows", 0)))
+        total += _token_step_rows_scanned(op.get("children", []))
+    return total
+
+
+def test_the_requests_refresh_reads_token_steps_from_where_the_windows_requests_begin(tmp_path):
+    """A long-attached server's store: 600,000 token steps of 64-step requests, 16 rows a pass. The
+    steps before the window were rolled up by an earlier run; an incremental run over the last 2,000
+    refreshes their requests from the steps where those requests begin (their rows say where), not from
+    the whole table, and leaves the requests a refresh over every step would."""
+    steps, rows, span = 600_000, 16, 64
+    window = steps - 2_000
+    insert = (
+        "INSERT INTO token_steps (pid, step_seq, batch_row, trace_id, step, t_start_ns, t_end_ns,"
+        " latency_ns, loss) SELECT $pid, 1 + p, i % $rows, md5((p // $span * $rows + i % $rows)::VARCHAR),"
+        " p % $span, $t0 + p * 1000, $t0 + p * 1000 + 900, 900, 1.0"
+        " FROM (SELECT i, i // $rows AS p FROM range($lo, $hi) r(i))"
+    )  # row i is pass i // 16 of request (pass // 64, row), step pass % 64; trace ids random (no zone map)
+    params = {"pid": PID, "rows": rows, "span": span, "t0": T0}
+    with DuckDBStore(tmp_path / "big.duckdb") as store:
+        conn = store.connection
+        conn.execute(insert, {**params, "lo": 0, "hi": window})
+        correlate(conn, since_ns=0, pid=PID)  # the earlier run: the steps so far
+        conn.execute(insert, {**params, "lo": window, "hi": steps})
+        since = T0 + window // rows * 1000
+        first = conn.execute(
+            "SELECT min(t_start_ns) FROM token_steps WHERE trace_id IN"
+            " (SELECT trace_id FROM token_steps WHERE t_start_ns >= ?)",
+            [since],
+        ).fetchall()[0][0]
+        assert first < since  # the premise: the window's requests began before it
+
+        profiled = _ProfiledConnection(conn.cursor())
+        profiled.token_rows = 0
+        execute = profiled.execute
+
+        def counting(sql, params=None):
+            result = execute(sql, params)
+            if sql.lstrip().startswith("INSERT OR REPLACE INTO requests"):
+                profile = json.loads(profiled.conn.get_profiling_information(format="json"))
+                profiled.token_rows += _token_step_rows_scanned(profile.get("operator", []))
+            return result
+
+        profiled.execute = counting
+        stats = correlate(profiled, since_ns=since, pid=PID)
+        incremental = conn.execute("SELECT * FROM requests ORDER BY ALL").fetchall()
+        correlate(conn, since_ns=0, pid=PID)  # every step again: the requests it writes
+        assert incremental == conn.execute("SELECT * FROM requests ORDER BY ALL").fetchall()
+        assert stats.requests == 3 * rows  # the window's 125 passes reach into three requests a row
+        tokens = dict(conn.execute("SELECT trace_id, tokens FROM requests").fetchall())
+        assert set(tokens.values()) == {span, steps // rows % span}  # whole, and the last one so far
+        from_first = conn.execute(
+            "SELECT count(*) FROM token_steps WHERE t_start_ns >= ?", [first]
+        ).fetchall()
+        assert 0 < profiled.token_rows <= from_first[0][0] + 2 * ROW_GROUP < steps  # not the whole table
