@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 from llmobs.pipeline import tenant_compute
-from llmobs.pipeline.tenant_compute import TenantCompute
+from llmobs.pipeline.tenant_compute import END, SEQ, START, TenantCompute
 
 
 class Reference:
@@ -106,7 +106,7 @@ class Interned:
         """Each held pass's shares summed (merged first, as a reading does)."""
         groups = self.compute._merge()
         sums: dict[int, int] = {}
-        for seq, share in zip(groups["seq"].tolist(), self.compute._shares.tolist(), strict=True):
+        for seq, share in zip(groups[:, SEQ].tolist(), self.compute._shares.tolist(), strict=True):
             sums[seq] = sums.get(seq, 0) + share
         return sums
 
@@ -114,7 +114,7 @@ class Interned:
         groups = self.compute._merge()
         spans: dict[int, list] = {}
         for seq, start, end in zip(
-            groups["seq"].tolist(), groups["start"].tolist(), groups["end"].tolist(), strict=True
+            groups[:, SEQ].tolist(), groups[:, START].tolist(), groups[:, END].tolist(), strict=True
         ):
             span = spans.setdefault(seq, [start, end])
             span[0], span[1] = min(span[0], start), max(span[1], end)
@@ -191,6 +191,20 @@ def test_a_pass_shares_by_tokens_with_unknown_rows_at_the_known_mean_and_remaind
     assert compute.since(31) == {} and not compute.compute.held  # it left the window: nothing held
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_remainders_go_to_tenants_not_to_their_rows(batched):
+    # 11 ns by a:2 (two rows of 1 token), b:1 of 3: a 22/3 = 7 r1, b 11/3 = 3 r2 -> the ns left goes to b.
+    # Shared by rows it would be 3 r2 each, the two ns left to a's two rows first: a 8, b 3.
+    compute = Interned(10)
+    rows = [(4, 0, 11, "a", 1), (4, 0, 11, "a", 1), (4, 0, 11, "b", 1)]
+    if batched:
+        compute.add_rows(rows)
+    else:
+        for row in rows:
+            compute.add_row(*row)
+    assert compute.since(0) == {"a": 7, "b": 4}
+
+
 def test_a_long_pass_of_many_tokens_is_shared_exactly_past_int64():
     compute = Interned(10)
     duration, tokens = 3 * 10**12, 5 * 10**7 + 1  # duration x weight ~1.5e20: past int64
@@ -206,7 +220,7 @@ def test_passes_held_stay_bounded_without_readings():
         compute.add_row(seq, seq * 10, seq * 10 + 5, "a", 1)
     assert len(compute.compute.held) <= 40
     held = compute.compute.held
-    assert compute.since(0) == {"a": 5 * len(held)} and len(compute.compute._groups["seq"]) == len(held)
+    assert compute.since(0) == {"a": 5 * len(held)} and len(compute.compute._groups) == len(held)
     compute.add_rows([(seq, seq * 10, seq * 10 + 5, "a", 1) for seq in range(2_000, 2_100)])
     assert compute.compute.held == set(range(2_090, 2_100))  # over 4x after the batch: its newest 10
 
@@ -217,10 +231,18 @@ def test_rows_without_readings_are_merged_at_a_bound(monkeypatch):
     for seq in range(1, 400):
         for tenant in ("a", "b"):
             merged.add_row(seq // 3 + 1, seq * 10, seq * 10 + 7, tenant, seq % 4)
-    assert merged.compute._pending < 50 and len(merged.compute._groups["seq"]) > 0
+    assert merged.compute._pending < 50 and len(merged.compute._groups) > 0
     monkeypatch.setattr(tenant_compute, "MERGE_ROWS", 1 << 30)
     for seq in range(1, 400):
         for tenant in ("a", "b"):
             reference.add_row(seq // 3 + 1, seq * 10, seq * 10 + 7, tenant, seq % 4)
     assert reference.compute._pending == 798  # merged only at its reading
-    assert merged.since(0) == reference.since(0)
+    monkeypatch.setattr(tenant_compute, "MERGE_ROWS", 50)
+    batched = Interned(20_000)
+    for seq in range(1, 400, 10):  # batches of 20 rows: merged once 50 wait
+        batched.add_rows(
+            [(s // 3 + 1, s * 10, s * 10 + 7, t, s % 4) for s in range(seq, min(seq + 10, 400)) for t in "ab"]
+        )
+    assert batched.compute._pending < 50
+    monkeypatch.setattr(tenant_compute, "MERGE_ROWS", 1 << 30)
+    assert merged.since(0) == reference.since(0) == batched.since(0)

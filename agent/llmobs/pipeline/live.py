@@ -136,18 +136,17 @@ class LiveStats:
         starts = np.asarray(columns["t_start_ns"], np.int64)
         if self.first_start_ns is None:
             self.first_start_ns = int(starts.min())
-        if self.attached_ns is not None:  # a pass's rows share its start: one entry a pass
-            distinct, first = np.unique(seqs, return_index=True)
-            self._starts.update(zip(distinct.tolist(), starts[first].tolist(), strict=True))
+        if self.attached_ns is not None:
+            self._starts.update(zip(seqs.tolist(), starts.tolist(), strict=True))
             if len(self._starts) > 4 * WORK_STEPS:
                 for step in sorted(self._starts)[: len(self._starts) - 2 * WORK_STEPS]:
                     del self._starts[step]
         if columns["model_id"]:
             self.model_id = columns["model_id"][-1] or self.model_id
         tenants = [t or "" for t in columns["tenant"]]
-        codes = self._tenant_column(tenants)
-        self.tenants.update(self._tenant_names[code] for code in np.unique(codes).tolist())
-        self.tenants.discard("")
+        distinct = set(tenants)
+        codes = self._tenant_column(tenants, distinct)
+        self.tenants.update(distinct - {""})
         ends = np.asarray(columns["t_end_ns"], np.int64)
         tokens = columns.get("tokens_in_pass")
         tokens = np.zeros(n, np.int64) if tokens is None else tokens
@@ -160,8 +159,7 @@ class LiveStats:
         """The forward passes held for the per-tenant compute (step_seq)."""
         return self._tenant_compute.held
 
-    def _tenant_column(self, tenants: list[str]) -> np.ndarray | int:
-        distinct = set(tenants)
+    def _tenant_column(self, tenants: list[str], distinct: set[str]) -> np.ndarray | int:
         for tenant in distinct - self._tenant_codes.keys():
             self._tenant_code(tenant)
         codes = self._tenant_codes

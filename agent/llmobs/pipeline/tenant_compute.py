@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import numpy as np
 
-# A (pass, tenant) group, one array each: its pass and tenant, the arrival number of its first row (the
-# remainders' tie-break), its rows' earliest start and latest end, the tokens of its rows that know
-# theirs, how many do and how many do not.
-FIELDS = ("seq", "tenant", "first", "start", "end", "known", "known_rows", "unknown_rows")
+# A (pass, tenant) group is a row of an int64 array with these columns: its pass and tenant, the arrival
+# number of its first row (the remainders' tie-break), its rows' earliest start and latest end, the tokens
+# of its rows that know theirs, how many do and how many do not. One 2-D array, not one array a column:
+# each step below is then one numpy call however many columns (a slow target's second is ~30 calls).
+SEQ, TENANT, FIRST, START, END, KNOWN, KNOWN_ROWS, UNKNOWN_ROWS = range(8)
+COLUMNS = 8
 MERGE_ROWS = 1 << 16  # rows added without a reading are merged into groups at this many (bounded memory)
 
 
@@ -34,10 +36,10 @@ class TenantCompute:
     def __init__(self, max_passes: int):
         self.max_passes = max_passes  # passes kept; more than 4x this keeps the newest max_passes (by seq)
         self.held: set[int] = set()  # the passes held (step_seq)
-        self._groups = {field: np.zeros(0, np.int64) for field in FIELDS}  # sorted by (seq, tenant)
+        self._groups = np.zeros((0, COLUMNS), np.int64)  # sorted by (seq, tenant)
         self._shares = np.zeros(0, np.int64)  # each held group's ns of its pass (a merge redoes the new)
-        self._batches: list[dict[str, np.ndarray]] = []  # rows added since the last merge
-        self._rows: list[tuple[int, ...]] = []  # single rows (add_row) since the last merge, as FIELDS
+        self._batches: list[np.ndarray] = []  # rows added since the last merge (as groups of one row)
+        self._rows: list[tuple[int, ...]] = []  # single rows (add_row) since the last merge
         self._pending = 0  # rows in _batches and _rows
         self._arrived = 0  # rows ever added: each row's arrival number
 
@@ -63,26 +65,22 @@ class TenantCompute:
         n = len(seq)
         if not n:
             return
-        seq = np.asarray(seq, np.int64)
-        tokens = np.asarray(tokens, np.int64)
-        known = tokens > 0
-        rows = {
-            "seq": seq,
-            "tenant": np.broadcast_to(np.asarray(tenant, np.int64), (n,)),
-            "first": np.arange(self._arrived + 1, self._arrived + n + 1, dtype=np.int64),
-            "start": np.asarray(start, np.int64),
-            "end": np.asarray(end, np.int64),
-            "known": np.where(known, tokens, 0),
-            "known_rows": known.astype(np.int64),
-            "unknown_rows": (~known).astype(np.int64),
-        }
+        rows = np.empty((n, COLUMNS), np.int64)
+        rows[:, SEQ] = seq
+        rows[:, TENANT] = tenant
+        rows[:, FIRST] = np.arange(self._arrived + 1, self._arrived + n + 1)
+        rows[:, START] = start
+        rows[:, END] = end
+        known = np.asarray(tokens) > 0
+        rows[:, KNOWN] = np.where(known, tokens, 0)
+        rows[:, KNOWN_ROWS] = known
+        rows[:, UNKNOWN_ROWS] = ~known
         self._arrived += n
-        tagged = seq != 0
-        if not tagged.all():
-            rows = {field: values[tagged] for field, values in rows.items()}
+        if not rows[:, SEQ].all():
+            rows = rows[rows[:, SEQ] != 0]
         self._batches.append(rows)
-        self._pending += len(rows["seq"])
-        self.held.update(np.unique(rows["seq"]).tolist())
+        self._pending += len(rows)
+        self.held.update(rows[:, SEQ].tolist())
         if len(self.held) > 4 * self.max_passes:
             self._drop_oldest()
         elif self._pending >= MERGE_ROWS:
@@ -92,26 +90,29 @@ class TenantCompute:
         """tenant code -> compute ns over the passes that ended at or after since_ns, for every tenant
         with a row in one (older passes are dropped: no later window holds them)."""
         groups = self._merge()
-        first_of_pass = _starts_of_runs(groups["seq"])
-        pass_end = np.maximum.reduceat(groups["end"], first_of_pass) if len(first_of_pass) else groups["end"]
-        gone = pass_end < since_ns
-        if gone.any():
-            self.held.difference_update(groups["seq"][first_of_pass[gone]].tolist())
-            self._keep(np.repeat(~gone, np.diff(np.r_[first_of_pass, len(groups["seq"])])))
-            groups = self._groups
-        if not len(groups["seq"]):
+        if not len(groups):
             return {}
-        totals = np.zeros(int(groups["tenant"].max()) + 1, np.int64)
-        np.add.at(totals, groups["tenant"], self._shares)
-        present = np.flatnonzero(np.bincount(groups["tenant"]))  # a tenant of a held pass, even at 0 ns
-        return dict(zip(present.tolist(), totals[present].tolist(), strict=True))
+        first_of_pass = _run_starts(groups[:, SEQ])
+        gone = np.maximum.reduceat(groups[:, END], first_of_pass) < since_ns
+        if gone.any():
+            self.held.difference_update(groups[first_of_pass[gone], SEQ].tolist())
+            self._keep(np.repeat(~gone, np.diff(first_of_pass, append=len(groups))))
+            groups = self._groups
+            if not len(groups):
+                return {}
+        tenants = groups[:, TENANT]
+        totals = np.bincount(tenants, minlength=int(tenants.max()) + 1)  # rows of each tenant, for presence
+        present = np.flatnonzero(totals)  # a tenant of a held pass, even at 0 ns
+        sums = np.zeros(len(totals), np.int64)
+        np.add.at(sums, tenants, self._shares)
+        return dict(zip(present.tolist(), sums[present].tolist(), strict=True))
 
     def _keep(self, keep: np.ndarray) -> None:
         """Only the held groups where `keep` (whole passes)."""
-        self._groups = {field: values[keep] for field, values in self._groups.items()}
+        self._groups = self._groups[keep]
         self._shares = self._shares[keep]
 
-    def _merge(self) -> dict[str, np.ndarray]:
+    def _merge(self) -> np.ndarray:
         """The rows added since the last merge joined to the held groups (a row of a held pass and tenant
         adds to its group: a pass may grow after a reading). Only the held groups from the new rows' first
         pass on are merged again: new rows are mostly of new passes, so a reading costs what came in."""
@@ -119,15 +120,13 @@ class TenantCompute:
             return self._groups
         parts = self._batches
         if self._rows:
-            columns = np.array(self._rows, np.int64).reshape(-1, len(FIELDS)).T
-            parts = [*parts, dict(zip(FIELDS, columns, strict=True))]
-        new = _grouped({field: np.concatenate([part[field] for part in parts]) for field in FIELDS})
+            parts = [*parts, np.array(self._rows, np.int64)]
+        new = _grouped(np.concatenate(parts) if len(parts) > 1 else parts[0])
         held = self._groups
-        split = int(np.searchsorted(held["seq"], new["seq"][0]))  # held groups before it stay as they are
-        if split < len(held["seq"]):
-            tail = {field: np.concatenate([held[field][split:], new[field]]) for field in FIELDS}
-            new = _grouped(tail)
-        self._groups = {field: np.concatenate([held[field][:split], new[field]]) for field in FIELDS}
+        split = int(np.searchsorted(held[:, SEQ], new[0, SEQ]))  # held groups before it stay as they are
+        if split < len(held):
+            new = _grouped(np.concatenate([held[split:], new]))
+        self._groups = np.concatenate([held[:split], new])
         self._shares = np.concatenate([self._shares[:split], _shares(new)])  # whole passes from split on
         self._batches, self._rows, self._pending = [], [], 0
         return self._groups
@@ -136,59 +135,56 @@ class TenantCompute:
         """Bounded: the newest max_passes passes (by step_seq) stay."""
         newest = sorted(self.held)[-self.max_passes :]
         self.held = set(newest)
-        self._keep(self._merge()["seq"] >= newest[0])
+        self._keep(self._merge()[:, SEQ] >= newest[0])
 
 
-def _starts_of_runs(*keys: np.ndarray) -> np.ndarray:
-    """Where a run of equal keys (sorted arrays of one length) begins."""
-    if not len(keys[0]):
-        return np.zeros(0, np.int64)
-    change = np.zeros(len(keys[0]), bool)
+def _run_starts(*keys: np.ndarray) -> np.ndarray:
+    """Where a run of equal keys (sorted columns of one length, at least one row) begins."""
+    change = np.empty(len(keys[0]), bool)
     change[0] = True
-    for key in keys:
+    np.not_equal(keys[0][1:], keys[0][:-1], out=change[1:])
+    for key in keys[1:]:
         change[1:] |= key[1:] != key[:-1]
     return np.flatnonzero(change)
 
 
-def _grouped(rows: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Rows (or groups) as (pass, tenant) groups sorted by pass then tenant."""
-    order = np.lexsort((rows["first"], rows["tenant"], rows["seq"]))  # a group's first row first
-    rows = {field: values[order] for field, values in rows.items()}
-    bounds = _starts_of_runs(rows["seq"], rows["tenant"])
-    return {
-        "seq": rows["seq"][bounds],
-        "tenant": rows["tenant"][bounds],
-        "first": rows["first"][bounds],
-        "start": np.minimum.reduceat(rows["start"], bounds),
-        "end": np.maximum.reduceat(rows["end"], bounds),
-        **{field: np.add.reduceat(rows[field], bounds) for field in FIELDS[5:]},
-    }
+def _grouped(rows: np.ndarray) -> np.ndarray:
+    """Rows (or groups) as (pass, tenant) groups sorted by pass then tenant, each from its first row."""
+    rows = rows[np.lexsort((rows[:, FIRST], rows[:, TENANT], rows[:, SEQ]))]  # a group's first row first
+    bounds = _run_starts(rows[:, SEQ], rows[:, TENANT])
+    if len(bounds) == len(rows):  # no two rows of one pass and tenant: the rows are the groups
+        return rows
+    groups = rows[bounds]
+    groups[:, START] = np.minimum.reduceat(rows[:, START], bounds)
+    groups[:, END] = np.maximum.reduceat(rows[:, END], bounds)
+    groups[:, KNOWN:] = np.add.reduceat(rows[:, KNOWN:], bounds, axis=0)
+    return groups
 
 
-def _shares(groups: dict[str, np.ndarray]) -> np.ndarray:
+def _shares(groups: np.ndarray) -> np.ndarray:
     """Each group's ns of its pass by the rule above (groups sorted by pass, each pass's in any order)."""
-    first_of_pass = _starts_of_runs(groups["seq"])
-    sizes = np.diff(np.r_[first_of_pass, len(groups["seq"])])
-    pass_of = np.repeat(np.arange(len(first_of_pass)), sizes)
-    known = np.add.reduceat(groups["known"], first_of_pass)
-    known_rows = np.add.reduceat(groups["known_rows"], first_of_pass)
-    fill = np.ones(len(first_of_pass), np.int64)
-    some = known_rows > 0  # np.round rounds halves to even, as Python's round does
-    fill[some] = np.maximum(np.round(known[some] / known_rows[some]), 1).astype(np.int64)
-    weight = groups["known"] + groups["unknown_rows"] * fill[pass_of]
-    total = np.add.reduceat(weight, first_of_pass)  # >= 1: a pass has a row, each weighs >= 1
+    first_of_pass = _run_starts(groups[:, SEQ])
     duration = np.maximum(
-        np.maximum.reduceat(groups["end"], first_of_pass)
-        - np.minimum.reduceat(groups["start"], first_of_pass),
+        np.maximum.reduceat(groups[:, END], first_of_pass)
+        - np.minimum.reduceat(groups[:, START], first_of_pass),
         0,
     )
+    if len(first_of_pass) == len(groups):  # one tenant a pass (a lone request, a one-tenant batch): all of it
+        return duration
+    pass_of = np.repeat(np.arange(len(first_of_pass)), np.diff(first_of_pass, append=len(groups)))
+    known, known_rows, _ = np.add.reduceat(groups[:, KNOWN:], first_of_pass, axis=0).T
+    fill = np.ones(len(first_of_pass), np.int64)
+    some = known_rows > 0  # np.round rounds halves to even, as Python's round does
+    fill[some] = np.maximum(np.round(known[some] / known_rows[some]), 1)
+    weight = groups[:, KNOWN] + groups[:, UNKNOWN_ROWS] * fill[pass_of]
+    total = np.add.reduceat(weight, first_of_pass)  # >= 1: a pass has a row, each weighs >= 1
     scaled = duration[pass_of] * weight
-    if len(duration) and int(duration.max()) * int(total.max()) >= 1 << 63:  # exact past int64: Python ints
+    if int(duration.max()) * int(total.max()) >= 1 << 63:  # exact past int64: Python ints
         scaled = duration[pass_of].astype(object) * weight.astype(object)
     quota = (scaled // total[pass_of]).astype(np.int64)
     remainder = (scaled % total[pass_of]).astype(np.int64)
     left = duration - np.add.reduceat(quota, first_of_pass)  # fewer than the pass's tenants
-    order = np.lexsort((groups["first"], -remainder, pass_of))  # largest remainder first, ties by first row
+    order = np.lexsort((groups[:, FIRST], -remainder, pass_of))  # largest remainder first, ties by first row
     rank = np.empty(len(order), np.int64)
     rank[order] = np.arange(len(order)) - first_of_pass[pass_of[order]]
     return quota + (rank < left[pass_of])
