@@ -106,7 +106,7 @@ class Interned:
         """Each held pass's shares summed (merged first, as a reading does)."""
         groups = self.compute._merge()
         sums: dict[int, int] = {}
-        for seq, share in zip(groups[:, SEQ].tolist(), self.compute._shares.tolist(), strict=True):
+        for seq, share in zip(groups[SEQ].tolist(), self.compute._shares.tolist(), strict=True):
             sums[seq] = sums.get(seq, 0) + share
         return sums
 
@@ -114,7 +114,7 @@ class Interned:
         groups = self.compute._merge()
         spans: dict[int, list] = {}
         for seq, start, end in zip(
-            groups[:, SEQ].tolist(), groups[:, START].tolist(), groups[:, END].tolist(), strict=True
+            groups[SEQ].tolist(), groups[START].tolist(), groups[END].tolist(), strict=True
         ):
             span = spans.setdefault(seq, [start, end])
             span[0], span[1] = min(span[0], start), max(span[1], end)
@@ -220,7 +220,7 @@ def test_passes_held_stay_bounded_without_readings():
         compute.add_row(seq, seq * 10, seq * 10 + 5, "a", 1)
     assert len(compute.compute.held) <= 40
     held = compute.compute.held
-    assert compute.since(0) == {"a": 5 * len(held)} and len(compute.compute._groups) == len(held)
+    assert compute.since(0) == {"a": 5 * len(held)} and compute.compute._groups.shape[1] == len(held)
     compute.add_rows([(seq, seq * 10, seq * 10 + 5, "a", 1) for seq in range(2_000, 2_100)])
     assert compute.compute.held == set(range(2_090, 2_100))  # over 4x after the batch: its newest 10
 
@@ -231,7 +231,7 @@ def test_rows_without_readings_are_merged_at_a_bound(monkeypatch):
     for seq in range(1, 400):
         for tenant in ("a", "b"):
             merged.add_row(seq // 3 + 1, seq * 10, seq * 10 + 7, tenant, seq % 4)
-    assert merged.compute._pending < 50 and len(merged.compute._groups) > 0
+    assert merged.compute._pending < 50 and merged.compute._groups.shape[1] > 0
     monkeypatch.setattr(tenant_compute, "MERGE_ROWS", 1 << 30)
     for seq in range(1, 400):
         for tenant in ("a", "b"):

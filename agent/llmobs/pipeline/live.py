@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from llmobs import clock, environment
 from llmobs.diagnostics.detectors import live_traffic
-from llmobs.pipeline.tenant_compute import TenantCompute
+from llmobs.pipeline.tenant_compute import TenantCompute, run_starts
 from llmobs.store.schema import probe_class
 
 DEFAULT_RUN_DIR = Path("/run/llmobs")
@@ -136,8 +136,9 @@ class LiveStats:
         starts = np.asarray(columns["t_start_ns"], np.int64)
         if self.first_start_ns is None:
             self.first_start_ns = int(starts.min())
-        if self.attached_ns is not None:
-            self._starts.update(zip(seqs.tolist(), starts.tolist(), strict=True))
+        if self.attached_ns is not None:  # a pass's rows (mostly adjacent) share its start: one entry each
+            first = run_starts(seqs)
+            self._starts.update(zip(seqs[first].tolist(), starts[first].tolist(), strict=True))
             if len(self._starts) > 4 * WORK_STEPS:
                 for step in sorted(self._starts)[: len(self._starts) - 2 * WORK_STEPS]:
                     del self._starts[step]
