@@ -51,6 +51,7 @@ FROM token_steps WHERE t_start_ns < $since GROUP BY pid, trace_id
 CHILD = """
 import hashlib, json, sys, time
 import duckdb
+import llmobs
 from llmobs.pipeline.correlate import correlate
 conn = duckdb.connect(sys.argv[1])
 began = time.process_time()
@@ -58,7 +59,8 @@ stats = correlate(conn, since_ns=int(sys.argv[2]), pid=int(sys.argv[3]))
 cpu = time.process_time() - began
 rows = conn.execute("SELECT * FROM requests ORDER BY ALL").fetchall()
 digest = int(hashlib.sha1(repr(rows).encode()).hexdigest()[:12], 16)
-print(json.dumps({"correlate cpu s": cpu, "requests": stats.requests, "digest": digest}))
+figures = {"correlate cpu s": cpu, "requests": stats.requests}
+print(json.dumps({**figures, "digest": digest, "llmobs": llmobs.__file__}))
 """
 
 
@@ -88,9 +90,29 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     add_json_option(parser)
     args = parser.parse_args(argv)
+    trees = {"before": Path(args.baseline).resolve(), "after": Path(args.candidate).resolve()}
+    for tree in trees.values():
+        if not (tree / "agent" / "llmobs" / "__init__.py").is_file():
+            print(
+                f"error: {tree} is not an llmobs-agent source tree (no agent/llmobs/__init__.py)",
+                file=sys.stderr,
+            )
+            print("hint: a checkout or `git archive` copy of this repository (--baseline /tmp/llmobs-main)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    try:
+        sizes = [int(size) for size in args.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) <= WINDOW_STEPS:
+        print(f"error: --sizes {args.sizes!r}: each a whole number of token steps above {WINDOW_STEPS:,}",
+              file=sys.stderr)  # fmt: skip
+        print(
+            "hint: the window is the last 2 s at 20k steps/s; e.g. --sizes 1200000,6000000", file=sys.stderr
+        )
+        return 2
     report = Report("correlate_scale", args)
-    trees = {"before": Path(args.baseline), "after": Path(args.candidate)}
-    for size in (int(s) for s in args.sizes.split(",")):
+    for size in sizes:
         with tempfile.TemporaryDirectory(prefix="llmobs-correlate-scale-") as tmp:
             path = Path(tmp) / "store.duckdb"
             since = build(path, size)
@@ -99,6 +121,9 @@ def main(argv=None) -> int:
             def figures(stdout: str, name: str, digests: dict = digests) -> dict:
                 data = json.loads(stdout.strip().splitlines()[-1])
                 digests[name].add(data.pop("digest"))
+                imported = Path(data.pop("llmobs")).resolve()
+                if not imported.is_relative_to(trees[name]):  # an installed llmobs, not the tree's
+                    raise SystemExit(f"error: arm {name!r} imported {imported}, not {trees[name]}'s llmobs")
                 return data
 
             arms = [
