@@ -46,13 +46,14 @@ class _Result:
         return self.rows
 
 
-def _scanned(operators) -> int:
+def _scanned(operators, tables=EVENT_TABLES) -> int:
+    """Rows the plan's scans of `tables` read."""
     total = 0
     for op in operators:
         table = str(op.get("extra_info", {}).get("Table", "")).rsplit(".", 1)[-1]  # catalog.schema.table
-        if op.get("type") == "TABLE_SCAN" and table in EVENT_TABLES:
+        if op.get("type") == "TABLE_SCAN" and table in tables:
             total += int(op.get("rows_scanned", op.get("intermediate_rows", 0)))
-        total += _scanned(op.get("children", []))
+        total += _scanned(op.get("children", []), tables)
     return total
 
 
@@ -111,16 +112,6 @@ def test_final_report_covers_the_session_while_only_the_tail_is_rerolled(store):
 ROW_GROUP = 122_880  # DuckDB's rows per row group: a zone map prunes whole groups
 
 
-def _token_step_rows_scanned(operators) -> int:
-    total = 0
-    for op in operators:
-        table = str(op.get("extra_info", {}).get("Table", "")).rsplit(".", 1)[-1]
-        if op.get("type") == "TABLE_SCAN" and table == "token_steps":
-            total += int(op.get("rows_scanned", op.get("intermediate_rows", 0)))
-        total += _token_step_rows_scanned(op.get("children", []))
-    return total
-
-
 def test_the_requests_refresh_reads_token_steps_from_where_the_windows_requests_begin(tmp_path):
     """A long-attached server's store: 600,000 token steps of 64-step requests, 16 rows a pass. The
     steps before the window were rolled up by an earlier run; an incremental run over the last 2,000
@@ -156,7 +147,7 @@ def test_the_requests_refresh_reads_token_steps_from_where_the_windows_requests_
             result = execute(sql, params)
             if sql.lstrip().startswith("INSERT OR REPLACE INTO requests"):
                 profile = json.loads(profiled.conn.get_profiling_information(format="json"))
-                profiled.token_rows += _token_step_rows_scanned(profile.get("operator", []))
+                profiled.token_rows += _scanned(profile.get("operator", []), ("token_steps",))
             return result
 
         profiled.execute = counting

@@ -11,8 +11,9 @@ rows, and the shares are exact integers.
 Why numpy: `top`'s figures are recomputed every second over the last 10 s, at a GPU server's 20k token
 steps a second. Summing every pass in Python each second cost ~2.3 us a token step (session 23); running
 sums in a Python dict a pass still ~1.9 us (a call a row, a share a pass: session 24). Here a batch of
-rows is kept as arrays, and a reading merges them into (pass, tenant) groups (~4 a pass), shares every
-held pass and sums by tenant in a few vectorised passes.
+rows is kept as arrays, and a reading merges what came in into the held (pass, tenant) groups (~4 a
+pass), shares only the passes that changed (each group keeps its share) and sums by tenant, in a few
+vectorised calls.
 
 Tenants are integer codes (the caller interns names). A row of step 0 (untagged) is no pass.
 """
@@ -102,9 +103,9 @@ class TenantCompute:
             if not groups.shape[1]:
                 return {}
         tenants = groups[TENANT]
-        totals = np.bincount(tenants)  # rows of each tenant, for presence
-        present = np.flatnonzero(totals)  # a tenant of a held pass, even at 0 ns
-        sums = np.zeros(len(totals), np.int64)
+        groups_of = np.bincount(tenants)  # each tenant's groups held
+        present = np.flatnonzero(groups_of)  # a tenant of a held pass, even at 0 ns
+        sums = np.zeros(len(groups_of), np.int64)
         np.add.at(sums, tenants, self._shares)
         return dict(zip(present.tolist(), sums[present].tolist(), strict=True))
 
