@@ -38,7 +38,8 @@ def policies(pid: int, guard: bool = False) -> dict[int, int]:
 def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(flags, expected):
     args = ("--model", "tiny", "--requests", "1", "--max-new-tokens", "2", "--threads", "1")
     with HeldWorkload(*args) as workload:
-        agent = Agent("--pid", str(workload.pid), *flags)
+        # the status line every 0.2 s (its default off a TTY is 10 s): its first says the loop has started
+        agent = Agent("--pid", str(workload.pid), "--status-interval", "0.2", *flags)
         agent.wait_for("attached in")
         agent.wait_for(" events/s | ")  # the status line: the loop has started, the policy is set
         threads, with_guard = policies(agent.pid), policies(agent.pid, guard=True)

@@ -41,15 +41,17 @@ def attached(session, stream: TextIO = sys.stderr) -> None:
 
 class StatusLine:
     """events/s, drops and steps: rewritten in place on a TTY, a plain line every 10 s otherwise.
-    A sink of the target's raw events (it counts what was sampled, per probe)."""
+    A sink of the target's raw events (it counts what was sampled, per probe). `interval` None is those
+    defaults (1 s on a TTY, 10 s otherwise); a given interval is used as it is (`attach`'s hidden
+    `--status-interval`, with which a test sees the first line soon after the loop has started)."""
 
     name = "status"
 
-    def __init__(self, session, interval: float, stream: TextIO = sys.stderr):
+    def __init__(self, session, interval: float | None = None, stream: TextIO = sys.stderr):
         self.session = session
         self.stream = stream
         self.tty = stream.isatty()
-        self.interval = interval if self.tty else max(interval, 10.0)
+        self.interval = interval if interval is not None else (1.0 if self.tty else 10.0)
         self.sampled_by_probe = np.zeros(len(PROBES), dtype=np.int64)
         self._last_time = time.monotonic()
         self._last_total = 0

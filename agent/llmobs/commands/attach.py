@@ -111,7 +111,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, (COST_SCALE, CPU_PRIORITY))
     add_detector_arguments(parser)
     add_flags(parser, replay_flags())
-    parser.add_argument("--status-interval", type=float, default=1.0, metavar="S", help=argparse.SUPPRESS)
+    # unset: 1 s on a TTY, 10 s otherwise (report.StatusLine)
+    parser.add_argument("--status-interval", type=float, metavar="S", help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
