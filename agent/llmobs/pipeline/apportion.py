@@ -43,17 +43,32 @@ _WINDOW = "t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)"
 # A row's place in the largest-remainder order as one BIGINT: its remainder, then its row order (earlier
 # first) in the low ORD_BITS. Bounds: fewer than 2^24 rows and 2^39 tokens in one pass.
 ORD_BITS = 24
+# Below this pass weight W, floor(T * w / W) and its remainder are exact in BIGINT as
+# (T // W) * w + ((T % W) * w) // W: (T // W) * w <= T, and (T % W) * w < W^2 < 2^62. Above it (no real
+# pass: 2^31 tokens) the product goes through 128-bit integers, ~3x the cost a row (and a HUGEINT pass
+# weight made every row take it: ~0.5 us a row of the INSERT at a 20k steps/s server).
+BIGINT_WEIGHT = 1 << 31
+
+
+def _floor_and_remainder(c: str) -> tuple[str, str]:
+    """SQL for floor(total_c * weight / pass_weight) and its remainder, exact for totals >= 0."""
+    part = f"(total_{c} % pass_weight) * weight"
+    wide = f"total_{c}::HUGEINT * weight"
+    return (
+        f"CASE WHEN pass_weight < {BIGINT_WEIGHT} THEN (total_{c} // pass_weight) * weight"
+        f" + {part} // pass_weight ELSE ({wide} // pass_weight)::BIGINT END",
+        f"CASE WHEN pass_weight < {BIGINT_WEIGHT} THEN {part} % pass_weight"
+        f" ELSE ({wide} % pass_weight)::BIGINT END",
+    )
 
 
 def _sql() -> str:
     totals = ", ".join(f"{expr} AS total_{col}" for col, expr in SHARED_TOTALS.items())
-    # floor and remainder of T * w / W in 128-bit integers (bytes times tokens may pass 2^63), and the
-    # row's largest-remainder key
+    # floor and remainder of T * w / W, and the row's largest-remainder key
     quota = ", ".join(
-        f"((total_{c}::HUGEINT * weight) // pass_weight)::BIGINT AS base_{c},"
-        f" (((total_{c}::HUGEINT * weight) % pass_weight)::BIGINT << {ORD_BITS})"
-        f" + ((1 << {ORD_BITS}) - 1 - ord) AS key_{c}"
+        f"{floor} AS base_{c}, ({remainder} << {ORD_BITS}) + ((1 << {ORD_BITS}) - 1 - ord) AS key_{c}"
         for c in SHARED_TOTALS
+        for floor, remainder in [_floor_and_remainder(c)]
     )
     # per pass: the units floor() left over (short), and the key of the short-th largest remainder; a
     # group-by and a small list sort per pass, not one window sort of all rows per column (3x faster)
@@ -83,19 +98,19 @@ pass_rows AS (  -- a pass's rows: its token steps, and its prefill chunks that p
 ),
 known AS (  -- an unknown row (0 tokens) weighs the mean known row of its pass, at least 1
     SELECT pid, step_seq, greatest(coalesce(round(avg(tokens) FILTER (tokens > 0)), 1), 1)::BIGINT AS fill,
-        sum(CASE WHEN tokens > 0 THEN tokens ELSE 0 END) AS known_weight,
+        sum(CASE WHEN tokens > 0 THEN tokens ELSE 0 END)::BIGINT AS known_weight,  -- < 2^55: 2^24 rows
         count(*) FILTER (tokens <= 0) AS unknown
     FROM pass_rows GROUP BY pid, step_seq
 ),
 weighted AS (
     SELECT r.*, CASE WHEN r.tokens > 0 THEN r.tokens ELSE k.fill END::BIGINT AS weight,
-        k.known_weight + k.unknown * k.fill AS pass_weight,
+        (k.known_weight + k.unknown * k.fill)::BIGINT AS pass_weight,
         row_number() OVER (PARTITION BY r.pid, r.step_seq
                            ORDER BY r.kind_order, r.batch_row, r.position, r.step, r.request_seq) AS ord,
         p.t_start_ns AS pass_start_ns, p.* EXCLUDE (pid, step_seq, t_start_ns)
     FROM pass_rows r JOIN known k USING (pid, step_seq) JOIN passes p USING (pid, step_seq)
 ),
-quota AS (SELECT *, {quota} FROM weighted),
+quota AS MATERIALIZED (SELECT *, {quota} FROM weighted),  -- read twice: computed once
 cut AS (SELECT pid, step_seq, {cuts} FROM quota GROUP BY pid, step_seq)
 SELECT q.pid, q.step_seq, q.pass_start_ns, q.row_kind, q.batch_row, q.step, q.position, q.request_seq,
     q.trace_id, q.tenant, q.session, q.tokens, q.weight, {shares}
