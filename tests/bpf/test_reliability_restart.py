@@ -109,6 +109,11 @@ def test_sigkill_during_ingest_then_restart_keeps_the_store_and_resumes_the_expo
                 str(db),
                 "--otlp",
                 collector.grpc_endpoint,
+                # each step sent once settled, as before rollup_wait_s existed (this test predates it): not
+                # held up to 20 s for its rollup, which is not under test here (the first spans came ~16 s
+                # after the first step on a loaded 2-core box, the kill ~10 s later than it need be)
+                "--otlp-rollup-wait",
+                "0",
             )
             first = Agent(*attach)
             first.wait_for("attached in")
