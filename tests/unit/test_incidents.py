@@ -5,13 +5,17 @@ the step-level verdict), exact closing, the rows' links, and migration 11 on an 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from types import SimpleNamespace
 
 import duckdb
 import numpy as np
 from llmobs import clock
+from llmobs.diagnostics import live as live_lane
 from llmobs.diagnostics.detectors import DetectorConfig
 from llmobs.diagnostics.incidents import IncidentBuilder
-from llmobs.diagnostics.live import LiveAnomalies, _pass_tokens
+from llmobs.diagnostics.live import COMMIT_GAP_NS, LiveAnomalies, _pass_tokens
 from llmobs.store import schema
 from llmobs.store.sink import DuckDBStore
 
@@ -139,6 +143,58 @@ def test_the_lane_commits_rows_with_their_incident_and_closes_it_at_the_end(tmp_
     assert store.counters.rows_by_table["incidents"] == 2
     assert "2 incident(s)" in live.summary() and live.counters.late == 6
     assert "6 row(s) later than 200 ms" in live.lag_summary()
+    store.close()
+
+
+def _until(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_rows_flagged_within_the_commit_gap_share_the_next_commit_and_later_ones_go_at_once(
+    tmp_path, monkeypatch
+):
+    """The lane's clock is held still: rows that come 10 ms after a commit wait the gap's other 40 ms
+    (the lane's wait is held open meanwhile, and rows flagged then join the same commit); rows that
+    come a whole gap after the last commit are committed without waiting."""
+    now = [10**15]
+    monkeypatch.setattr(live_lane, "clock", SimpleNamespace(monotonic_ns=lambda: now[0]))
+    waits, release = [], threading.Event()
+
+    def wait(seconds: float) -> None:
+        waits.append(seconds)
+        release.wait(30)
+
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    live = LiveAnomalies(store, DetectorConfig(detector="both"), wait=wait)
+    commits: list[list[int]] = []
+    live.on_committed = lambda rows: commits.append(sorted(set(rows["step"])))
+    losses = np.random.default_rng(2).normal(2.0, 0.2, 90)
+    losses[[35, 60, 70, 85]] = (6.0, 6.5, 7.0, 7.5)
+
+    def flag(first: int, end: int) -> None:
+        steps = _steps(losses[first:end], 300 + first)
+        steps["step"] = steps["step"] + first
+        steps["position"] = steps["position"] + first
+        assert live.add(steps) == 2  # the one spike of the batch, by both detectors
+
+    flag(0, 40)
+    _until(lambda: len(commits) == 1, "the first commit")
+    now[0] += 10_000_000
+    flag(40, 65)
+    _until(lambda: waits, "the lane to wait out the gap")
+    flag(65, 80)
+    release.set()
+    _until(lambda: len(commits) == 2, "the second commit")
+    now[0] += COMMIT_GAP_NS
+    flag(80, 90)
+    _until(lambda: len(commits) == 3, "the third commit")
+    assert live.close()
+    assert commits == [[35], [60, 70], [85]]
+    assert waits == [(COMMIT_GAP_NS - 10_000_000) / 1e9]
+    assert store.connection.execute("SELECT count(*) FROM anomalies").fetchall() == [(8,)]
     store.close()
 
 
