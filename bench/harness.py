@@ -40,6 +40,7 @@ import os
 import resource
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import contextmanager
@@ -358,7 +359,19 @@ class Report:
         """Run `arms` interleaved for `rounds` (after `warmup` unrecorded rounds; with `until`, more
         rounds up to `max_rounds` until the intervals are that narrow: Comparison.run), print the table."""
         made = self.comparison(title, [a.name for a in arms], baseline, better, metrics)
-        made.run(arms, rounds, warmup, progress, until, max_rounds)
+        began = time.monotonic()
+
+        def each_round(comparison: Comparison, index: int, name: str) -> None:
+            if self.echo:  # a long run says where it is (stderr: stdout is the tables)
+                shown = metrics or list(comparison.samples[name][-1].values)
+                values = comparison.samples[name][-1].values
+                figures = ", ".join(f"{m} {values[m]:.4g}" for m in shown if m in values)
+                print(f"{title}: round {index + 1}, {name}: {figures} ({time.monotonic() - began:.0f} s)",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            if progress is not None:
+                progress(comparison, index, name)
+
+        made.run(arms, rounds, warmup, each_round, until, max_rounds)
         self.show(made)
         return made
 

@@ -214,3 +214,18 @@ def test_step_cost_names_each_drop_counter_group_and_they_add_up_to_the_total() 
                        "drops: kernel": 34, "drops: store queue full": 100, "drops: store failed": 5,
                        "drops: other sinks": 9}  # fmt: skip
     assert drop_figures({}) == dict.fromkeys(figures, 0)
+
+
+def test_compare_says_each_round_on_stderr_as_it_finishes(capsys) -> None:
+    """A long run shows its progress: one stderr line a round and arm, with the shown figures; stdout
+    keeps only the table."""
+    report = Report("t")
+    calls = []
+    arms = [Arm("A", lambda ctx: {"rate": 10.0, "cpu": 1.0}), Arm("B", lambda ctx: {"rate": 20.0})]
+    report.compare("pair", arms, rounds=2, metrics=["rate"], progress=lambda c, i, n: calls.append((i, n)))
+    out, err = capsys.readouterr()
+    lines = [line.rsplit(" (", 1)[0] for line in err.splitlines()]
+    assert lines == ["pair: round 1, A: rate 10", "pair: round 1, B: rate 20",
+                     "pair: round 2, B: rate 20", "pair: round 2, A: rate 10"]  # fmt: skip
+    assert calls == [(0, "A"), (0, "B"), (1, "B"), (1, "A")]  # the benchmark's own hook still runs
+    assert "pair: round" not in out and "2.000x" in out
