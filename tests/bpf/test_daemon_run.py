@@ -200,6 +200,32 @@ def workload(token: str) -> Workload:
     )
 
 
+def enter_together(*workloads: Workload) -> None:
+    """Starts the workloads at once and waits until each is ready (each loads torch and its model: ~7 s
+    here, which they spend side by side instead of one after the other). If one fails to start, those
+    that did are ended and its error is raised."""
+    threads = []
+    errors: list[BaseException | None] = [None] * len(workloads)
+
+    def enter(index: int) -> None:
+        try:
+            workloads[index].__enter__()
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors[index] = exc
+
+    for index in range(len(workloads)):
+        threads.append(threading.Thread(target=enter, args=(index,)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        for started, failed in zip(workloads, errors, strict=True):
+            if failed is None:
+                started.__exit__(type(error), error, None)
+        raise error
+
+
 def token_steps_by_pid(db: Path) -> dict[int, int]:
     with duckdb.connect(str(db), read_only=True) as conn:
         return dict(conn.execute("SELECT pid, count(*) FROM token_steps GROUP BY pid").fetchall())
@@ -208,10 +234,9 @@ def token_steps_by_pid(db: Path) -> dict[int, int]:
 def test_two_workloads_on_one_program_detach_on_exit_and_drain_on_sigterm(tmp_path):
     token = f"llmobs-daemon-{uuid.uuid4().hex[:10]}"
     first, second = workload(f"{token}-a"), workload(f"{token}-b")
-    first.__enter__()
+    enter_together(first, second)
     first_running = True
     try:
-        second.__enter__()
         daemon = Daemon(tmp_path, config_text(tmp_path, token))
         try:
             ready = daemon.wait_notify("READY=1")
