@@ -153,12 +153,11 @@ def _until(condition, what: str, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def test_rows_flagged_within_the_commit_gap_share_the_next_commit_and_later_ones_go_at_once(
-    tmp_path, monkeypatch
-):
-    """The lane's clock is held still: rows that come 10 ms after a commit wait the gap's other 40 ms
-    (the lane's wait is held open meanwhile, and rows flagged then join the same commit); rows that
-    come a whole gap after the last commit are committed without waiting."""
+def test_rows_flagged_while_commits_come_faster_than_the_gap_share_the_next_commit(tmp_path, monkeypatch):
+    """The lane's clock is held still. A spike's rows are committed at once, and so are the next ones 10
+    ms later; the third rows 10 ms after that (commits now come faster than the gap) wait the gap's other
+    40 ms, and rows flagged meanwhile (the lane's wait is held open) join them in one commit; rows that
+    come a whole gap after the last commit go at once again."""
     now = [10**15]
     monkeypatch.setattr(live_lane, "clock", SimpleNamespace(monotonic_ns=lambda: now[0]))
     waits, release = [], threading.Event()
@@ -172,7 +171,7 @@ def test_rows_flagged_within_the_commit_gap_share_the_next_commit_and_later_ones
     commits: list[list[int]] = []
     live.on_committed = lambda rows: commits.append(sorted(set(rows["step"])))
     losses = np.random.default_rng(2).normal(2.0, 0.2, 90)
-    losses[[35, 60, 70, 85]] = (6.0, 6.5, 7.0, 7.5)
+    losses[[35, 50, 60, 70, 85]] = (6.0, 6.2, 6.5, 7.0, 7.5)
 
     def flag(first: int, end: int) -> None:
         steps = _steps(losses[first:end], 300 + first)
@@ -183,18 +182,22 @@ def test_rows_flagged_within_the_commit_gap_share_the_next_commit_and_later_ones
     flag(0, 40)
     _until(lambda: len(commits) == 1, "the first commit")
     now[0] += 10_000_000
-    flag(40, 65)
+    flag(40, 55)
+    _until(lambda: len(commits) == 2, "the second commit")
+    assert waits == []
+    now[0] += 10_000_000
+    flag(55, 65)
     _until(lambda: waits, "the lane to wait out the gap")
     flag(65, 80)
     release.set()
-    _until(lambda: len(commits) == 2, "the second commit")
+    _until(lambda: len(commits) == 3, "the third commit")
     now[0] += COMMIT_GAP_NS
     flag(80, 90)
-    _until(lambda: len(commits) == 3, "the third commit")
+    _until(lambda: len(commits) == 4, "the fourth commit")
     assert live.close()
-    assert commits == [[35], [60, 70], [85]]
+    assert commits == [[35], [50], [60, 70], [85]]
     assert waits == [(COMMIT_GAP_NS - 10_000_000) / 1e9]
-    assert store.connection.execute("SELECT count(*) FROM anomalies").fetchall() == [(8,)]
+    assert store.connection.execute("SELECT count(*) FROM anomalies").fetchall() == [(10,)]
     store.close()
 
 

@@ -1,5 +1,5 @@
 """Live token-loss anomalies: the pipeline's token steps through the detectors, rows committed at once
-(rows flagged within COMMIT_GAP_NS of the last commit share the next one).
+(while rows keep coming faster than COMMIT_GAP_NS apart, at most one commit each COMMIT_GAP_NS).
 
 The anomaly lane. The pipeline's StoreWriter coalesces for a second or more (cheap appends); an anomaly
 is worth a commit of its own, so its rows take this lane instead: a bounded queue and one thread that
@@ -52,10 +52,11 @@ INCIDENT_HOLD_NS = 500_000_000  # the longest the incidents' write waits for a m
 # write per growth was two statements per commit (bench.step_cost: the slow target's anomaly lane
 # 104 -> 415 us of CPU per token step).
 OPEN_WRITE_NS = 2_000_000_000
-# Rows that come within this long of the last commit wait out the rest of it and share the next commit:
-# at a 20k steps/s server the detectors flag rows on most of the loop's 50 polls a second, and a commit
-# each (an INSERT and its transaction, ~1.5 ms of CPU here) was ~4 us of agent CPU per token step. Rows
-# flagged further apart than this (a slowly stepping target, a spike) are committed at once, as before.
+# Once two commits of rows have come within this long of each other, rows that come within this long
+# of the last one wait out the rest of it and share the next commit: at a 20k steps/s server the
+# detectors flag rows on most of the loop's 50 polls a second, and a commit each (an INSERT and its
+# transaction, ~1.5 ms of CPU here) was ~4 us of agent CPU per token step. A spike's rows, and the next
+# poll's that follow it, are committed at once, as before (the < 200 ms spike-to-row target).
 COMMIT_GAP_NS = 50_000_000
 ROW_COLUMNS = (*ANOMALY_COLUMNS, "artifact", "incident_id")
 _UPDATE_INCIDENTS = (
@@ -106,7 +107,7 @@ class LiveAnomalies:
         # the lane's own cursor, borrowed on its thread at the first write, given back after each commit
         self._conn = self.store.cursor()
         self._changed_since: int | None = None  # when incidents first changed since the last write
-        self._rows_committed_ns = 0  # when the last commit of rows began (COMMIT_GAP_NS)
+        self._rows_committed_ns = (0, 0)  # when the two last commits of rows began (COMMIT_GAP_NS)
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_ITEMS)
         self._thread = threading.Thread(target=self._run, name="llmobs-anomalies", daemon=True)
         self._thread.start()
@@ -172,8 +173,12 @@ class LiveAnomalies:
             self._conn.idle()  # between commits the store may reopen its database (DuckDBStore.recycle)
 
     def _wait_out_commit_gap(self) -> None:
-        """Sleeps until COMMIT_GAP_NS after the last commit of rows began (at most that long)."""
-        rest = self._rows_committed_ns + COMMIT_GAP_NS - clock.monotonic_ns()
+        """While commits of rows come less than COMMIT_GAP_NS apart, sleeps until COMMIT_GAP_NS after the
+        last one began (at most that long)."""
+        before, last = self._rows_committed_ns
+        if last - before >= COMMIT_GAP_NS:
+            return
+        rest = last + COMMIT_GAP_NS - clock.monotonic_ns()
         if rest > 0:
             self._wait(rest / 1e9)
 
@@ -199,7 +204,7 @@ class LiveAnomalies:
         now = clock.monotonic_ns()
         rows = _merged(parts) if parts else None
         if rows is not None:
-            self._rows_committed_ns = now
+            self._rows_committed_ns = (self._rows_committed_ns[1], now)
             rows["incident_id"] = self.incidents.add(rows, now)
         self.incidents.close_through("request", token_seq, now)
         self.incidents.close_through("pass", pass_seq, now)
