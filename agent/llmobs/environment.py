@@ -49,6 +49,15 @@ LLMOBS_DUCKDB_MEMORY_LIMIT = "LLMOBS_DUCKDB_MEMORY_LIMIT"
 Default: 32MB. Read by: store/sink.py (attach, demo, run).
 """
 
+LLMOBS_STORE_MAX_HOLD_S = "LLMOBS_STORE_MAX_HOLD_S"
+"""Seconds the store writer may hold a small commit (fewer than 4,096 rows) while more rows come, so that
+a slowly stepping target does not pay a commit's fixed cost every second: it can only shorten the hold
+(a value that is not a number from 0 to 4 is ignored), never below the writer's 1 s commit delay. The
+tests that kill an agent mid-run set it to 1 so that the commit they wait for comes within a second.
+
+Default: 4. Read by: store/writer.py (attach, demo, run), when a pipeline's writer starts.
+"""
+
 LLMOBS_RUN_DIR = "LLMOBS_RUN_DIR"
 """Where live snapshots (attach.PID.json) and the daemon's status file are written; the daemon's
 daemon.run_dir.

@@ -10,7 +10,7 @@ from llmobs.bpf.profiles import PROBES
 from llmobs.bpf.records import EVENT_DTYPE
 from llmobs.store import DuckDBStore, synthetic
 from llmobs.store.ingest import EventDecoder
-from llmobs.store.writer import SMALL_COMMIT_ROWS, StoreWriter
+from llmobs.store.writer import MAX_HOLD_S, SMALL_COMMIT_ROWS, StoreWriter, default_max_hold_s
 
 
 def _records(n, seed=0):
@@ -147,6 +147,21 @@ def test_the_hold_is_never_shorter_than_the_delay(store):
     writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_delay_s=10, max_hold_s=1)
     assert writer.max_hold_s == 10
     assert writer.close(timeout=10)
+
+
+def test_the_default_hold_can_only_be_shortened_by_the_environment(store, monkeypatch):
+    shortened = [("1", 1.0), ("0", 0.0), ("2.5", 2.5)]
+    ignored = [("9", MAX_HOLD_S), ("-1", MAX_HOLD_S), ("soon", MAX_HOLD_S), ("nan", MAX_HOLD_S)]
+    cases = shortened + ignored
+    for value, expected in cases:
+        monkeypatch.setenv("LLMOBS_STORE_MAX_HOLD_S", value)
+        assert default_max_hold_s() == expected, value
+    monkeypatch.setenv("LLMOBS_STORE_MAX_HOLD_S", "2.5")
+    writer = StoreWriter(store, EventDecoder([p.name for p in PROBES]), max_delay_s=1)
+    assert writer.max_hold_s == 2.5
+    assert writer.close(timeout=10)
+    monkeypatch.delenv("LLMOBS_STORE_MAX_HOLD_S")
+    assert default_max_hold_s() == MAX_HOLD_S
 
 
 def _asleep(writer) -> bool:

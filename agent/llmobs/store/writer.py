@@ -27,6 +27,7 @@ pending (so that it arms its timer).
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from llmobs import environment
 from llmobs.dataflow import SinkResult
 from llmobs.store.batches import TableLike, to_arrow
 from llmobs.store.ingest import EventDecoder
@@ -51,7 +53,19 @@ CONVERT_ROWS = 65_536
 # out every max_delay_s. The price: the store lags a slowly stepping target by up to MAX_HOLD_S, and a
 # crash loses up to that much of its ring events (its token steps are re-read from the map on restart).
 SMALL_COMMIT_ROWS = 4_096
-MAX_HOLD_S = 4.0
+MAX_HOLD_S = 4.0  # the default; $LLMOBS_STORE_MAX_HOLD_S sets another (default_max_hold_s)
+
+
+def default_max_hold_s() -> float:
+    """$LLMOBS_STORE_MAX_HOLD_S when it is a number from 0 to MAX_HOLD_S, else MAX_HOLD_S (it can only
+    shorten the hold: the pipeline's correlate re-rolls late steps over a window sized by MAX_HOLD_S)."""
+    try:
+        value = float(os.environ.get(environment.LLMOBS_STORE_MAX_HOLD_S, MAX_HOLD_S))
+    except ValueError:
+        return MAX_HOLD_S
+    return value if 0 <= value <= MAX_HOLD_S else MAX_HOLD_S
+
+
 _STOP = object()  # commit what is pending, then end the thread
 _FLUSH = object()  # commit what is pending now
 
@@ -77,13 +91,13 @@ class StoreWriter:
         max_rows: int = 1_000_000,
         max_delay_s: float = 1.0,
         queue_items: int = 100,
-        max_hold_s: float = MAX_HOLD_S,
+        max_hold_s: float | None = None,
     ):
         self.store = store
         self.decoder = decoder
         self.max_rows = max_rows
         self.max_delay_s = max_delay_s
-        self.max_hold_s = max(max_hold_s, max_delay_s)
+        self.max_hold_s = max(default_max_hold_s() if max_hold_s is None else max_hold_s, max_delay_s)
         self.counters = WriterCounters()
         self._queue = _Inbox(queue_items)
         self._idle = threading.Condition()
