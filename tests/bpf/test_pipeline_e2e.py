@@ -130,6 +130,9 @@ def test_sigkill_during_ingest_keeps_what_was_committed(tmp_path):
     )  # fmt: skip
     os.close(ready_w)
     os.environ["LLMOBS_RUN_DIR"] = str(run_dir)  # the agent inherits it
+    # and its writer holds a small commit 1 s, not 4 (the same commits, each sooner: the kill below
+    # waits for two of them)
+    os.environ["LLMOBS_STORE_MAX_HOLD_S"] = "1"
     try:
         assert read_json_line(ready_r)["phase"] == "ready"
         agent = Agent("--pid", str(workload.pid), "--db", str(db))
@@ -155,7 +158,7 @@ def test_sigkill_during_ingest_keeps_what_was_committed(tmp_path):
             published = {row["step_seq"]: row["loss"] for row in reader.read_steps().rows()}
         assert read_snapshots(run_dir) == [] and snapshot.exists()  # left behind, but known dead
     finally:
-        del os.environ["LLMOBS_RUN_DIR"]
+        del os.environ["LLMOBS_RUN_DIR"], os.environ["LLMOBS_STORE_MAX_HOLD_S"]
         workload.terminate()
         workload.wait(timeout=30)
         os.close(ready_r)

@@ -120,7 +120,10 @@ def _step_keys(spans) -> Counter:
     )  # fmt: skip
 
 
-def test_collector_down_memory_bounded_and_everything_delivered_after(tmp_path):
+def test_collector_down_memory_bounded_and_everything_delivered_after(tmp_path, monkeypatch):
+    # the daemon's writers hold a small commit 1 s, not 4: the same commits, each sooner (the outage
+    # starts once spans arrive, which follow a commit)
+    monkeypatch.setenv("LLMOBS_STORE_MAX_HOLD_S", "1")
     token = f"llmobs-outage-{uuid.uuid4().hex[:10]}"
     ready_r, ready_w = os.pipe()
     workload = subprocess.Popen(

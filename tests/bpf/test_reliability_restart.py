@@ -95,7 +95,10 @@ def _step_keys(spans) -> Counter:
     )
 
 
-def test_sigkill_during_ingest_then_restart_keeps_the_store_and_resumes_the_export(tmp_path):
+def test_sigkill_during_ingest_then_restart_keeps_the_store_and_resumes_the_export(tmp_path, monkeypatch):
+    # the agents' writers hold a small commit 1 s, not 4: the same commits, each sooner (the kill waits for
+    # spans, which follow a commit)
+    monkeypatch.setenv("LLMOBS_STORE_MAX_HOLD_S", "1")
     db = tmp_path / "store.duckdb"
     with Rotel(tmp_path / "rotel") as collector:
         workload = StreamingWorkload()
