@@ -278,6 +278,29 @@ def test_refresh_fills_evidence_once_the_step_is_rolled_up(store):
     assert refresh_evidence(conn, 7, since_ns=10**18) == 1
 
 
+def test_the_last_refresh_gives_every_rolled_up_anomaly_its_evidence_page_by_page(store):
+    """1,200 anomalous steps of three pids (more than three pages of MAX_STEPS_PER_REFRESH, the pages
+    ending inside a step_seq's pids): a correlate run's refresh does one page; the session's last one
+    (pages=None) every step, every pid; again over every step (since 0: all recent) it ends, with
+    nothing changed."""
+    from llmobs.diagnostics.evidence import MAX_STEPS_PER_REFRESH
+
+    steps = range(1, 401)
+    _fill(store, [{**_rollup(s), "pid": pid} for pid in (7, 8, 9) for s in steps])
+    n = 3 * len(steps)
+    store.append({"anomalies": {
+        "ts_ns": [5] * n, "pid": [pid for pid in (7, 8, 9) for _ in steps], "step_seq": [*steps] * 3,
+        "trace_id": ["t" * 32] * n, "kind": ["loss_mad"] * n, "score": [9.0] * n, "detail": ["{}"] * n,
+    }})  # fmt: skip
+    conn = store.connection
+    missing = "SELECT count(*) FROM anomalies WHERE evidence IS NULL"
+    assert refresh_evidence(conn, None, since_ns=10**18) == MAX_STEPS_PER_REFRESH  # one page
+    assert conn.execute(missing).fetchall() == [(n - MAX_STEPS_PER_REFRESH,)]
+    assert refresh_evidence(conn, None, since_ns=10**18, pages=None) == n - MAX_STEPS_PER_REFRESH
+    assert conn.execute(missing).fetchall() == [(0,)]
+    assert refresh_evidence(conn, None, since_ns=0, pages=None) == 0
+
+
 # ---- live rows ---------------------------------------------------------------------------------------
 
 
@@ -353,3 +376,22 @@ def test_a_version_3_store_gets_the_anomaly_columns_and_keeps_its_rows(tmp_path)
         ).fetchall()
         assert rows == [(5, "old_kind", 1.5, None, None, None, None, None)]
         assert schema.current_version(store.connection) == schema.LATEST_VERSION >= 4
+
+
+def test_the_evidence_median_is_numpys_to_the_bit():
+    """evidence._median (Python, for ~32 numbers) against np.median on the baselines evidence sees:
+    latencies, small counts with ties, heavy-tailed byte counts; odd and even lengths."""
+    from llmobs.diagnostics.evidence import _median
+
+    rng = np.random.default_rng(26)
+    for n in range(1, 66):
+        for base in (
+            rng.normal(2e6, 5e4, n),
+            rng.integers(0, 5, n).astype(float),
+            np.round(rng.lognormal(10, 2, n)),
+        ):
+            median = float(np.median(base))
+            assert _median(base.tolist()) == median
+            assert _median([abs(b - median) for b in base.tolist()]) == float(
+                np.median(np.abs(base - median))
+            )

@@ -48,10 +48,18 @@ UNIT_FLOOR = {"ns": 1_000.0, "bytes": 4096.0, "count": 0.1}
 EXTRA_Z = 99.0  # the rank of a kernel the baseline steps never ran: above any measured z
 
 
-def _robust(value: float, base: np.ndarray, unit: str) -> tuple[float, float, float]:
+def _median(values: list[float]) -> float:
+    """np.median's value (the mean of the middle two of an even count), for a baseline's ~32 numbers in
+    Python: np.median's fixed cost a call (~60 us here) was most of an anomalous step's evidence."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _robust(value: float, base: list[float], unit: str) -> tuple[float, float, float]:
     """(median, MAD, robust z of value) of a baseline."""
-    median = float(np.median(base))
-    mad = float(np.median(np.abs(base - median)))
+    median = _median(base)
+    mad = _median([abs(b - median) for b in base])
     floor = max(mad, abs(median) * MAD_FLOOR_FRACTION, UNIT_FLOOR[unit])
     return median, mad, 0.6745 * (value - median) / floor
 
@@ -130,7 +138,7 @@ def _evidence(pid: int, this: tuple, previous: list, kernels: dict) -> dict:
                  "counts_exact": bool(this[-1]), "step": step, "baseline": {}, "unusual": []}  # fmt: skip
     for i, column in enumerate(columns):
         value = step[column]
-        base = np.asarray([r[1 + i] for r in previous if r[1 + i] is not None], np.float64)
+        base = [float(r[1 + i]) for r in previous if r[1 + i] is not None]
         if value is None or len(base) < MIN_BASELINE:
             continue
         median, mad, z = _robust(float(value), base, MEASURES[column][1])
@@ -173,9 +181,9 @@ def _kernels(found: dict, step_seq: int, previous: list[int]) -> list[dict]:
         if step_seq not in by_step:
             continue
         n, ns = by_step[step_seq]
-        counts = np.asarray([by_step.get(s, (0, 0))[0] for s in previous], np.float64)
-        times = np.asarray([by_step.get(s, (0, 0))[1] for s in previous], np.float64)
-        if not counts.any():
+        counts = [float(by_step.get(s, (0, 0))[0]) for s in previous]
+        times = [float(by_step.get(s, (0, 0))[1]) for s in previous]
+        if not any(counts):
             items.append(_item(f"extra kernel: {kernel}", f"kernel:{kernel}", "count", n, 0.0, EXTRA_Z))
             continue
         checks = ((n, counts, "extra calls", "count"), (ns, times, "slow kernel", "ns"))
@@ -215,20 +223,43 @@ def summary(evidence: dict | None) -> str:
     return "; ".join(describe(u) for u in evidence["unusual"])
 
 
-def refresh_evidence(conn: duckdb.DuckDBPyConnection, pid: int | None, since_ns: int) -> int:
+def refresh_evidence(
+    conn: duckdb.DuckDBPyConnection, pid: int | None, since_ns: int, pages: int | None = 1
+) -> int:
     """Fill (or refresh) the evidence of anomaly rows whose step is rolled up: those without evidence,
     and those detected since `since_ns` (their rollup may still change as late events arrive).
-    Set-based: one query finds the steps, `gather_many` computes their evidence, one UPDATE per pid
-    writes only what changed (a recent anomaly's evidence is recomputed on every correlate run for a
-    few seconds, and mostly comes out the same). Returns the anomaly rows updated."""
-    steps = conn.execute(
-        """SELECT a.pid, a.step_seq, any_value(a.evidence) FROM anomalies a
-           SEMI JOIN step_rollups r ON r.pid = a.pid AND r.step_seq = a.step_seq
-           WHERE a.step_seq IS NOT NULL AND ($pid IS NULL OR a.pid = $pid)
-             AND (a.evidence IS NULL OR a.ts_ns >= $since)
-           GROUP BY a.pid, a.step_seq ORDER BY a.step_seq LIMIT $limit""",
-        {"pid": pid, "since": since_ns, "limit": MAX_STEPS_PER_REFRESH},
-    ).fetchall()
+    Set-based: one query finds up to MAX_STEPS_PER_REFRESH steps (a page, in step order), `gather_many`
+    computes their evidence, one UPDATE per pid writes only what changed (a recent anomaly's evidence is
+    recomputed on every correlate run for a few seconds, and mostly comes out the same). A correlate run
+    does one page (bounded work; what is left waits for the next run); `pages=None` goes on until every
+    step is done (the session's last pass: a page each time from the start gave the session's first
+    500 anomalous steps their evidence and none of the rest). Returns the anomaly rows updated."""
+    updated, after, page = 0, (-1, -1), 0
+    while pages is None or page < pages:
+        steps = conn.execute(
+            """SELECT a.pid, a.step_seq, any_value(a.evidence) FROM anomalies a
+               SEMI JOIN step_rollups r ON r.pid = a.pid AND r.step_seq = a.step_seq
+               WHERE (a.step_seq > $after_seq OR (a.step_seq = $after_seq AND a.pid > $after_pid))
+                 AND ($pid IS NULL OR a.pid = $pid) AND (a.evidence IS NULL OR a.ts_ns >= $since)
+               GROUP BY a.pid, a.step_seq ORDER BY a.step_seq, a.pid LIMIT $limit""",
+            {
+                "pid": pid,
+                "since": since_ns,
+                "limit": MAX_STEPS_PER_REFRESH,
+                "after_seq": after[0],
+                "after_pid": after[1],
+            },  # fmt: skip
+        ).fetchall()
+        updated += _evidence_page(conn, steps)
+        page += 1
+        if len(steps) < MAX_STEPS_PER_REFRESH:
+            break
+        after = (steps[-1][1], steps[-1][0])  # the page is done: the next one starts after its last step
+    return updated
+
+
+def _evidence_page(conn: duckdb.DuckDBPyConnection, steps: list[tuple]) -> int:
+    """The evidence of these (pid, step_seq, stored evidence) steps, written where it changed."""
     by_pid: dict[int, dict[int, str | None]] = {}
     for step_pid, step_seq, stored in steps:
         by_pid.setdefault(step_pid, {})[step_seq] = stored

@@ -290,10 +290,11 @@ class LiveAnomalies:
             conn.execute("ROLLBACK")
             raise
 
-    def refresh_evidence(self, conn, pid: int, since_ns: int) -> None:
-        """Give the anomalies of rolled-up steps their evidence (on the correlate thread's cursor)."""
+    def refresh_evidence(self, conn, pid: int, since_ns: int, pages: int | None = 1) -> None:
+        """Give the anomalies of rolled-up steps their evidence (on the correlate thread's cursor; `pages`
+        as evidence.refresh_evidence's: one a correlate run, None at close)."""
         try:
-            self.counters.evidence_updates += refresh_evidence(conn, pid, since_ns)
+            self.counters.evidence_updates += refresh_evidence(conn, pid, since_ns, pages)
         except Exception as exc:  # counted; the final pass at close covers the whole session
             self.counters.evidence_errors += 1
             self.counters.last_error = f"evidence: {str(exc).splitlines()[0]}"

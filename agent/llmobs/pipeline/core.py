@@ -609,7 +609,7 @@ class Pipeline:
         """Evidence for every anomaly of the session whose step is rolled up, after the last correlate."""
         with self.store.cursor() as conn:
             since = max((self.first_step_ns or self.started_ns) - LATE_NS, 0)
-            self.anomalies.refresh_evidence(conn, self.pid, since)
+            self.anomalies.refresh_evidence(conn, self.pid, since, pages=None)
         summary.anomalies = self.anomalies.summary()
         if self.replays is not None:
             summary.anomalies += "\n" + self.replays.summary()
