@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import pytest
 from llmobs.runtime import cpu_priority
@@ -32,21 +33,77 @@ def policies(pid: int, guard: bool = False) -> dict[int, int]:
     return found
 
 
-@pytest.mark.parametrize(
-    ("flags", "expected"), [((), os.SCHED_IDLE), (("--cpu-priority", "normal"), os.SCHED_OTHER)]
-)
-def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(flags, expected):
+def enter_together(*workloads: HeldWorkload) -> None:
+    """Starts the workloads at once and waits until each is ready (each loads torch and its model: ~7 s
+    here, which they spend side by side instead of one after the other). If one fails to start, those
+    that did are ended and its error is raised."""
+    threads = []
+    errors: list[BaseException | None] = [None] * len(workloads)
+
+    def enter(index: int) -> None:
+        try:
+            workloads[index].__enter__()
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors[index] = exc
+
+    for index in range(len(workloads)):
+        threads.append(threading.Thread(target=enter, args=(index,)))
+        threads[-1].start()
+    for thread in threads:
+        thread.join()
+    error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        for started, failed in zip(workloads, errors, strict=True):
+            if failed is None:
+                started.__exit__(type(error), error, None)
+        raise error
+
+
+class CaseWorkload(HeldWorkload):
+    """HeldWorkload that, ended without having generated, is killed: its --hold waits for a line after
+    "done", which a generation nobody started never prints."""
+
+    generated = False
+
+    def generate(self) -> None:
+        super().generate()
+        self.generated = True
+
+    def __exit__(self, *exc) -> None:
+        if not self.generated and self.process.poll() is None:
+            self.process.kill()
+        super().__exit__(*exc)
+
+
+CASES = [((), os.SCHED_IDLE), (("--cpu-priority", "normal"), os.SCHED_OTHER)]
+
+
+@pytest.fixture(scope="module")
+def case_workloads():
+    """One held workload per case, started at once (each loads torch and its model: ~7 s of a case's
+    ~9 s), in CASES order; each case takes its own, and they all end with the module."""
     args = ("--model", "tiny", "--requests", "1", "--max-new-tokens", "2", "--threads", "1")
-    with HeldWorkload(*args) as workload:
-        # the status line every 0.2 s (its default off a TTY is 10 s): its first says the loop has started
-        agent = Agent("--pid", str(workload.pid), "--status-interval", "0.2", *flags)
-        agent.wait_for("attached in")
-        agent.wait_for(" events/s | ")  # the status line: the loop has started, the policy is set
-        threads, with_guard = policies(agent.pid), policies(agent.pid, guard=True)
-        workload_threads = policies(workload.pid)
-        workload.generate()  # under the agent, as ever
-        agent.proc.send_signal(signal.SIGINT)
-        code, text = agent.finish()
+    workloads = [CaseWorkload(*args) for _ in CASES]
+    enter_together(*workloads)
+    try:
+        yield workloads
+    finally:
+        for workload in workloads:
+            workload.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize(("flags", "expected"), CASES)
+def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(case_workloads, flags, expected):
+    workload = case_workloads[CASES.index((flags, expected))]
+    # the status line every 0.2 s (its default off a TTY is 10 s): its first says the loop has started
+    agent = Agent("--pid", str(workload.pid), "--status-interval", "0.2", *flags)
+    agent.wait_for("attached in")
+    agent.wait_for(" events/s | ")  # the status line: the loop has started, the policy is set
+    threads, with_guard = policies(agent.pid), policies(agent.pid, guard=True)
+    workload_threads = policies(workload.pid)
+    workload.generate()  # under the agent, as ever
+    agent.proc.send_signal(signal.SIGINT)
+    code, text = agent.finish()
     assert code == 0, text
     assert len(threads) > 1  # the store-less attach still runs threads beside the loop
     assert set(threads.values()) == {expected}, threads

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from test_cpu_priority import policies
+from test_cpu_priority import enter_together, policies
 
 from bench.held_workload import HeldWorkload
 
@@ -198,32 +198,6 @@ def workload(token: str) -> Workload:
     return Workload(
         "--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS), "--session", token
     )
-
-
-def enter_together(*workloads: Workload) -> None:
-    """Starts the workloads at once and waits until each is ready (each loads torch and its model: ~7 s
-    here, which they spend side by side instead of one after the other). If one fails to start, those
-    that did are ended and its error is raised."""
-    threads = []
-    errors: list[BaseException | None] = [None] * len(workloads)
-
-    def enter(index: int) -> None:
-        try:
-            workloads[index].__enter__()
-        except BaseException as exc:  # re-raised below, in the test's thread
-            errors[index] = exc
-
-    for index in range(len(workloads)):
-        threads.append(threading.Thread(target=enter, args=(index,)))
-        threads[-1].start()
-    for thread in threads:
-        thread.join()
-    error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        for started, failed in zip(workloads, errors, strict=True):
-            if failed is None:
-                started.__exit__(type(error), error, None)
-        raise error
 
 
 def token_steps_by_pid(db: Path) -> dict[int, int]:
