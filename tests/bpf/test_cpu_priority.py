@@ -59,6 +59,25 @@ def enter_together(*workloads: HeldWorkload) -> None:
         raise error
 
 
+def exit_together(*workloads: HeldWorkload) -> None:
+    """Ends the workloads at once (each takes ~1 s to exit: torch's teardown); raises the first error."""
+    errors: list[BaseException] = []
+
+    def end(workload: HeldWorkload) -> None:
+        try:
+            workload.__exit__(None, None, None)
+        except BaseException as exc:  # re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=end, args=(workload,)) for workload in workloads]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
 class CaseWorkload(HeldWorkload):
     """HeldWorkload that, ended without having generated, is killed: its --hold waits for a line after
     "done", which a generation nobody started never prints."""
@@ -88,8 +107,7 @@ def case_workloads():
     try:
         yield workloads
     finally:
-        for workload in workloads:
-            workload.__exit__(None, None, None)
+        exit_together(*workloads)
 
 
 @pytest.mark.parametrize(("flags", "expected"), CASES)

@@ -18,8 +18,7 @@ from pathlib import Path
 import duckdb
 import pytest
 from test_attach import Agent
-
-from bench.held_workload import HeldWorkload
+from test_cpu_priority import CaseWorkload, enter_together, exit_together
 
 INSPECT = [sys.executable, "-m", "llmobs.cli", "inspect"]
 NOBODY = 65534
@@ -47,11 +46,27 @@ def _tamper(path: Path, how: str) -> str:
 ARGS = ("--model", "tiny", "--requests", "2", "--max-new-tokens", "4", "--threads", "1")
 
 
+ATTACHED = ("mode", "owner", None)  # the attach cases: how each one's map is tampered (None: untouched)
+
+
 @pytest.fixture(scope="module")
-def workload():
-    with HeldWorkload(*ARGS) as held:
-        held.generate()  # its map now holds steps; held alive until the module's tests are done
-        yield held
+def workloads():
+    """Every workload of the module, started at once (each loads torch and its model: ~7 s, spent side by
+    side instead of one after the other): "inspect", read by inspect's cases, and one per attach case,
+    which generates under its agent. All are held alive until the module's tests are done."""
+    started = {key: CaseWorkload(*ARGS) for key in ("inspect", *ATTACHED)}
+    enter_together(*started.values())
+    try:
+        yield started
+    finally:
+        exit_together(*started.values())
+
+
+@pytest.fixture(scope="module")
+def workload(workloads):
+    held = workloads["inspect"]
+    held.generate()  # its map now holds steps
+    return held
 
 
 def test_the_untouched_map_is_read(workload):
@@ -77,17 +92,16 @@ def test_inspect_refuses_a_tampered_map_with_one_line(workload, how):
     assert "Traceback" not in result.stderr and result.stdout == ""
 
 
-def _attach_while_generating(db: Path, how: str | None) -> tuple[str, str]:
+def _attach_while_generating(db: Path, how: str | None, workload: CaseWorkload) -> tuple[str, str]:
     """attach --db to a workload whose map was tampered `how` (None: untouched) while it generates;
     returns (the refusal text expected, the agent's output)."""
-    with HeldWorkload(*ARGS) as workload:
-        path = _map_of(workload.pid)
-        expected = _tamper(path, how) if how else ""
-        agent = Agent("--pid", str(workload.pid), "--profile", "cpu", "--db", str(db))
-        agent.wait_for("attached in")
-        workload.generate()
-        agent.proc.send_signal(signal.SIGINT)
-        code, text = agent.finish()
+    path = _map_of(workload.pid)
+    expected = _tamper(path, how) if how else ""
+    agent = Agent("--pid", str(workload.pid), "--profile", "cpu", "--db", str(db))
+    agent.wait_for("attached in")
+    workload.generate()
+    agent.proc.send_signal(signal.SIGINT)
+    code, text = agent.finish()
     assert code == 0, text
     assert "Traceback" not in text
     return expected, text
@@ -102,9 +116,9 @@ def _tagged_probe_hits(db: Path) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("how", ["mode", "owner"])
-def test_attach_stores_nothing_from_a_tampered_map(tmp_path, how):
+def test_attach_stores_nothing_from_a_tampered_map(tmp_path, how, workloads):
     db = tmp_path / "store.duckdb"
-    expected, text = _attach_while_generating(db, how)
+    expected, text = _attach_while_generating(db, how, workloads[how])
     map_line = next(line for line in text.splitlines() if "token steps from the map" in line)
     assert "0 read" in map_line and expected in map_line, map_line
     # its context cell is not trusted either: no event is tagged from it, and attach says why, once
@@ -116,10 +130,10 @@ def test_attach_stores_nothing_from_a_tampered_map(tmp_path, how):
     assert hits > 0 and tagged == 0, (hits, tagged)  # the probes worked; nothing carries the map's tags
 
 
-def test_attach_tags_events_from_the_untouched_map(tmp_path):
+def test_attach_tags_events_from_the_untouched_map(tmp_path, workloads):
     """The control case: the same run on an untouched map tags the probe hits with its token steps."""
     db = tmp_path / "store.duckdb"
-    _, text = _attach_while_generating(db, None)
+    _, text = _attach_while_generating(db, None, workloads[None])
     assert "the llmobs map does not tag events" not in text
     hits, tagged = _tagged_probe_hits(db)
     assert tagged > 0, (hits, tagged)
