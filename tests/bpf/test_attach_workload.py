@@ -9,39 +9,56 @@ import signal
 from collections import defaultdict
 
 import pyarrow.parquet as pq
+import pytest
 from llmobs.bpf.records import DEFAULT_THIN, THINNED_PROBES, trace_kept
 from llmobs.shm.reader import ShmReader
 from test_attach import Agent, _assert_clean
+from test_cpu_priority import CaseWorkload, enter_together, exit_together
 from test_probes_target import leftovers
 
-from bench.held_workload import HeldWorkload
-
 REQUESTS, TOKENS, SAMPLE = 24, 4, 2  # the workload's 4 prompts -> 4 trace ids (hash of the input ids)
+ALLOC_BYTES = 123_457  # test_known_allocations_per_step's size: nothing else in the process allocates it
+TINY = ("--model", "tiny", "--threads", "1")
+WORKLOADS = {  # each test's workload
+    "tags": (*TINY, "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS)),
+    "allocs": (*TINY, "--requests", "6", "--max-new-tokens", "4", "--alloc-bytes", str(ALLOC_BYTES)),
+}
 
 
-def test_tags_match_the_map_and_sampling_keeps_requests_whole(tmp_path):
+@pytest.fixture(scope="module")
+def workloads():
+    """Each test's workload, started at once (each loads torch and its model: ~7 s, spent side by side
+    instead of one after the other) and held until the module's tests are done."""
+    started = {key: CaseWorkload(*args) for key, args in WORKLOADS.items()}
+    enter_together(*started.values())
+    try:
+        yield started
+    finally:
+        exit_together(*started.values())
+
+
+def test_tags_match_the_map_and_sampling_keeps_requests_whole(tmp_path, workloads):
     out = tmp_path / "w.parquet"
     before = leftovers()
-    args = ("--model", "tiny", "--requests", str(REQUESTS), "--max-new-tokens", str(TOKENS), "--threads", "1")
-    with HeldWorkload(*args) as workload:
-        agent = Agent(
-            "--pid",
-            str(workload.pid),
-            "--profile",
-            "cpu,gemm,host",
-            "--sample",
-            str(SAMPLE),
-            "--out",
-            str(out),
-        )
-        agent.wait_for("attached in")
-        workload.generate()
-        with ShmReader(workload.pid) as reader:  # what the map says each token step was
-            steps = reader.read_steps().rows()
-        agent.proc.send_signal(signal.SIGINT)
-        code, text = agent.finish()
-        assert code == 0, text
-        _assert_clean(agent.pid, workload.pid, before)
+    workload = workloads["tags"]
+    agent = Agent(
+        "--pid",
+        str(workload.pid),
+        "--profile",
+        "cpu,gemm,host",
+        "--sample",
+        str(SAMPLE),
+        "--out",
+        str(out),
+    )
+    agent.wait_for("attached in")
+    workload.generate()
+    with ShmReader(workload.pid) as reader:  # what the map says each token step was
+        steps = reader.read_steps().rows()
+    agent.proc.send_signal(signal.SIGINT)
+    code, text = agent.finish()
+    assert code == 0, text
+    _assert_clean(agent.pid, workload.pid, before)
     trace_of = {row["step_seq"]: row["trace_id"] for row in steps}
     position = {row["step_seq"]: row["step"] for row in steps}
     assert len(trace_of) == REQUESTS * TOKENS
@@ -75,22 +92,21 @@ def test_tags_match_the_map_and_sampling_keeps_requests_whole(tmp_path):
         assert sampled[trace] == (total if keep else 0), (trace, keep)
 
 
-def test_known_allocations_per_step(tmp_path):
+def test_known_allocations_per_step(tmp_path, workloads):
     """workload.py --alloc-bytes B: every forward pass allocates exactly 1 + step_seq % 3 tensors of B
     bytes (and frees them in the same step); the agent sees exactly those, tagged with that step."""
-    out, nbytes = tmp_path / "a.parquet", 123_457  # a size nothing else in the process allocates
+    out, nbytes = tmp_path / "a.parquet", ALLOC_BYTES
     before = leftovers()
-    args = ("--model", "tiny", "--requests", "6", "--max-new-tokens", "4", "--threads", "1")
-    with HeldWorkload(*args, "--alloc-bytes", str(nbytes)) as workload:
-        agent = Agent("--pid", str(workload.pid), "--profile", "cpu,mem,host", "--out", str(out))
-        agent.wait_for("attached in")
-        workload.generate()
-        with ShmReader(workload.pid) as reader:
-            steps = [row["step_seq"] for row in reader.read_steps().rows()]
-        agent.proc.send_signal(signal.SIGINT)
-        code, text = agent.finish()
-        assert code == 0, text
-        _assert_clean(agent.pid, workload.pid, before)
+    workload = workloads["allocs"]
+    agent = Agent("--pid", str(workload.pid), "--profile", "cpu,mem,host", "--out", str(out))
+    agent.wait_for("attached in")
+    workload.generate()
+    with ShmReader(workload.pid) as reader:
+        steps = [row["step_seq"] for row in reader.read_steps().rows()]
+    agent.proc.send_signal(signal.SIGINT)
+    code, text = agent.finish()
+    assert code == 0, text
+    _assert_clean(agent.pid, workload.pid, before)
     assert len(steps) == 24
     events = pq.read_table(out).to_pylist()
     allocs, frees = defaultdict(int), defaultdict(int)
