@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from llmobs.bpf.records import DEFAULT_THIN, THINNED_PROBES
-from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, Target, leftovers
+from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, TargetPool, leftovers
 
 AGENT = [sys.executable, "-m", "llmobs.cli", "attach"]
 
@@ -75,10 +75,18 @@ def _read(out: Path):
     return events, {(row["probe"], row["step_seq"]): row for row in aggregates}, summary
 
 
-def test_attach_counts_tags_and_detaches_on_sigint(tmp_path):
+@pytest.fixture(scope="module")
+def targets():
+    """This module's plain targets, each started while the test before it runs (test_probes_target)."""
+    pool = TargetPool()
+    yield pool
+    pool.close()
+
+
+def test_attach_counts_tags_and_detaches_on_sigint(tmp_path, targets):
     out = tmp_path / "events.parquet"
     before = leftovers()
-    with Target() as target:
+    with targets.take() as target:
         agent = Agent(
             "--pid",
             str(target.pid),
@@ -124,9 +132,9 @@ def test_attach_counts_tags_and_detaches_on_sigint(tmp_path):
     assert summary["first_event_after_s"] is not None and summary["first_event_after_s"] < 10
 
 
-def test_sigterm_detaches_cleanly():
+def test_sigterm_detaches_cleanly(targets):
     before = leftovers()
-    with Target() as target:
+    with targets.take() as target:
         agent = Agent("--pid", str(target.pid))
         agent.wait_for("attached in")
         target.step(1, f"{1:032x}", gemms=2)
@@ -137,9 +145,9 @@ def test_sigterm_detaches_cleanly():
         _assert_clean(agent.pid, target.pid, before)
 
 
-def test_target_killed_mid_attach():
+def test_target_killed_mid_attach(targets):
     before = leftovers()
-    with Target() as target:
+    with targets.take() as target:
         agent = Agent("--pid", str(target.pid), "--profile", "cpu,mem,host")
         agent.wait_for("attached in")
         target.step(1, f"{1:032x}", allocs=3)
@@ -151,9 +159,9 @@ def test_target_killed_mid_attach():
     _assert_clean(agent.pid, target.pid, before)
 
 
-def test_sigkill_of_the_agent_leaves_no_probe():
+def test_sigkill_of_the_agent_leaves_no_probe(targets):
     before = leftovers()
-    with Target() as target:
+    with targets.take() as target:
         agent = Agent("--pid", str(target.pid), "--profile", "cpu,mem,host")
         agent.wait_for("attached in")
         assert leftovers(agent_pid=agent.pid)["perf"]  # attached: its perf-event probes are listed
@@ -164,8 +172,8 @@ def test_sigkill_of_the_agent_leaves_no_probe():
         target.step(1, f"{1:032x}", allocs=3, gemms=1)  # and the target runs on unharmed
 
 
-def test_duration_ends_the_attach(tmp_path):
-    with Target() as target:
+def test_duration_ends_the_attach(tmp_path, targets):
+    with targets.take() as target:
         agent = Agent("--pid", str(target.pid), "--duration", "0.5", "--out", str(tmp_path / "e.parquet"))
         code, text = agent.finish()
     assert code == 0, text
@@ -173,12 +181,12 @@ def test_duration_ends_the_attach(tmp_path):
     assert json.loads((tmp_path / "e.summary.json").read_text())["reason"] == "duration reached"
 
 
-def test_attach_removes_maps_left_by_dead_processes(tmp_path):
+def test_attach_removes_maps_left_by_dead_processes(tmp_path, targets):
     # a pid above any pid_max the kernel allows: no process has it, so its map is stale for sure
     stale = Path("/dev/shm/llmobs.4194399")
     stale.write_bytes(b"\0" * 4096)
     try:
-        with Target() as target:
+        with targets.take() as target:
             live_map = Path(f"/dev/shm/llmobs.{target.pid}")
             agent = Agent("--pid", str(target.pid), "--duration", "0.5", "--out", str(tmp_path / "e.parquet"))
             code, text = agent.finish()
@@ -227,9 +235,9 @@ def test_bad_profile_is_a_usage_error():
 
 
 @pytest.mark.parametrize("with_pid", [False, True])
-def test_ebpf_prints_the_program(with_pid):
+def test_ebpf_prints_the_program(with_pid, targets):
     if with_pid:
-        with Target() as target:
+        with targets.take() as target:
             result = subprocess.run(
                 [*AGENT, "--pid", str(target.pid), "--profile", "cpu,cuda", "--ebpf"],
                 capture_output=True,

@@ -17,7 +17,7 @@ from llmobs.bpf.profiles import PROBE_IDS, probes_of
 from llmobs.bpf.program import ProbeProgram
 from llmobs.bpf.records import DEFAULT_THIN, FLAG_TRACKED, THINNED_PROBES, trace_kept
 from llmobs.bpf.session import AttachSession, Options
-from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, Target, leftovers
+from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, Target, TargetPool, leftovers
 
 EXACT = ("alloc_cpu", "free_cpu", "sgemm", "linear", "ioctl")
 
@@ -49,9 +49,17 @@ def _by_name(final) -> dict[tuple[str, int], list[int]]:
     return {(PROBE_IDS_INV[probe], step): value for (_, probe, step), value in final["totals"].items()}
 
 
-def test_exact_counts_and_tags_per_step(program):
+@pytest.fixture(scope="module")
+def targets():
+    """This module's plain targets, each started while the test before it runs (test_probes_target)."""
+    pool = TargetPool()
+    yield pool
+    pool.close()
+
+
+def test_exact_counts_and_tags_per_step(program, targets):
     plan = {1: (5, 100_000, 3, 2), 2: (0, 64, 7, 0), 3: (11, 4096, 1, 5)}  # allocs, nbytes, gemms, ioctls
-    with Target() as target:
+    with targets.take() as target:
         session = _attach(program, target, gemm_durations=True)
         assert session.cell_address == target.cell_address  # found through /proc/PID/maps
         batches = []
@@ -159,12 +167,12 @@ def test_process_without_a_map_is_untracked(program):
     assert not (events["flags"] & FLAG_TRACKED).any()
 
 
-def test_trace_sampling_keeps_requests_whole_and_counts_all(program):
+def test_trace_sampling_keeps_requests_whole_and_counts_all(program, targets):
     n, traces = 4, 64
     ids = [
         (int.from_bytes(os.urandom(8), "big"), int.from_bytes(os.urandom(8), "big")) for _ in range(traces)
     ]
-    with Target() as target:
+    with targets.take() as target:
         session = _attach(program, target, sample_n=n, sample_mode="trace", thin=1)  # every event: whole
         batches = []
         for i, (hi, lo) in enumerate(ids):
@@ -195,11 +203,11 @@ def test_trace_sampling_keeps_requests_whole_and_counts_all(program):
     assert set(np.unique(events["step_seq"][events["step_seq"] != 0])) <= set(range(1, 2 * traces + 1))
 
 
-def test_a_thinned_probe_counts_every_fault_and_ships_one_in_thin(program):
+def test_a_thinned_probe_counts_every_fault_and_ships_one_in_thin(program, targets):
     """page_fault_user, thinned: a step's faults are all in its aggregate, 1 in 64 of them reach the
     ring (per CPU, every THIN-th), and the kernel's ledger still closes: the thinned are counted."""
     plan = {1: 3000, 2: 0, 3: 1000}  # pages written once each in a fresh mapping: one fault each
-    with Target() as target:
+    with targets.take() as target:
         session = _attach(program, target)
         batches = []
         for step, pages in plan.items():
@@ -222,9 +230,9 @@ def test_a_thinned_probe_counts_every_fault_and_ships_one_in_thin(program):
     assert final["counters"]["ring_drops"] == 0
 
 
-def test_cpu_sampling_is_about_one_in_n(program):
+def test_cpu_sampling_is_about_one_in_n(program, targets):
     n, allocs = 8, 4000
-    with Target() as target:
+    with targets.take() as target:
         session = _attach(program, target, profiles=("mem",), sample_n=n, sample_mode="cpu")
         target.step(1, _trace(1), allocs=allocs, nbytes=64)
         events, final = session.close()
@@ -235,10 +243,10 @@ def test_cpu_sampling_is_about_one_in_n(program):
     assert 350 <= sampled <= 650
 
 
-def test_ring_overflow_is_counted_not_lost_silently():
+def test_ring_overflow_is_counted_not_lost_silently(targets):
     program = ProbeProgram(probes_of(("mem",)), ring_bytes=4096)  # room for 56 records
     try:
-        with Target() as target:
+        with targets.take() as target:
             session = AttachSession(target.pid, Options(profiles=("mem",)), program=program)
             session.start()
             target.step(1, _trace(1), allocs=500, nbytes=64)  # 1,000 events, no drain meanwhile
@@ -253,8 +261,8 @@ def test_ring_overflow_is_counted_not_lost_silently():
     assert counters["sampled"] + counters["ring_drops"] == counted + counters["agg_overflow"]
 
 
-def test_session_close_detaches_everything(program):
-    with Target() as target:
+def test_session_close_detaches_everything(program, targets):
+    with targets.take() as target:
         session = _attach(program, target)
         assert leftovers(agent_pid=os.getpid())["perf"]  # attached: our perf events are visible
         target.proc.kill()
@@ -265,11 +273,11 @@ def test_session_close_detaches_everything(program):
     assert left["perf"] == [] and left["uprobe_events"] == []
 
 
-def test_a_switched_off_probe_counts_nothing_and_counts_again_when_on(program):
+def test_a_switched_off_probe_counts_nothing_and_counts_again_when_on(program, targets):
     """The governor's switch word (ProbeProgram.set_probe_enabled) on the real kernel: the ioctl
     tracepoint pair and the linear uprobe, counted exactly with the word on, off and on again; a probe
     left on is not touched by another's word."""
-    with Target() as target:
+    with targets.take() as target:
         session = _attach(program, target)
         try:
             target.step(1, _trace(1), gemms=40, ioctls=50)

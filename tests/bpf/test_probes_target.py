@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import termios
+import threading
 from pathlib import Path
 
 
@@ -108,6 +109,46 @@ class Target:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class TargetPool:
+    """Plain `Target()`s, each started in the background while the test before it runs (a target imports
+    torch: ~2.7 s, on the core the test leaves): `take()` returns the one started ahead, once it is
+    ready, and starts the next; `close()` ends the one left. A module's fixture holds one."""
+
+    def __init__(self):
+        self._spare: tuple[threading.Thread, dict] | None = None
+        self._start()
+
+    def _start(self) -> None:
+        box: dict = {}
+
+        def start() -> None:
+            try:
+                box["target"] = Target()
+            except BaseException as exc:  # raised by take() or close(), in the test's thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=start, name="target-pool", daemon=True)
+        thread.start()
+        self._spare = (thread, box)
+
+    def _ready(self) -> Target:
+        thread, box = self._spare
+        self._spare = None
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["target"]
+
+    def take(self) -> Target:
+        target = self._ready()
+        self._start()
+        return target
+
+    def close(self) -> None:
+        if self._spare is not None:
+            self._ready().close()
 
 
 LINEAR_OUTPUT_BYTES = 4 * 64 * 4  # F.linear(x[4,64], w[64,64]) allocates one float32 [4,64] output
