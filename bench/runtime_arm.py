@@ -213,31 +213,48 @@ def resident(opts: dict) -> dict:
     """The agent's resident set on bench/soak.py's paced libc10 target: `attach --profile mem --db X
     --overhead-budget 0` (every event stored, nothing shed) sampled from /proc once a second, first while
     the target waits (idle: nothing to drain), then while it makes `rate` events/s for `seconds`.
+    With opts["agent"] "run": the daemon (`run --profile mem --command <target> --overhead-budget 0`)
+    with two such targets making rate / 2 events/s each (the issue's "run with two targets").
     Figures: RSS idle (the last idle sample), RSS at rate (the largest sample in the second half of the
     loaded phase, when DuckDB's buffers have filled), the anonymous and file parts of the idle one, and
     the agent's CPU as % of a core under load."""
     from bench.procstat import cpu_seconds, rss_bytes, rss_parts
     from bench.soak import build_target, libc10_path
 
+    daemon = opts.get("agent") == "run"
     with tempfile.TemporaryDirectory(prefix="llmobs-rt-rss-") as tmp:
         binary = build_target(Path(tmp))
-        pairs = opts["rate"] / 2  # each alloc_cpu/free_cpu pair is two mem events
-        target = subprocess.Popen([str(binary), str(libc10_path()), str(pairs), str(opts["seconds"] + 60)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # fmt: skip
+        count = 2 if daemon else 1
+        pairs = opts["rate"] / 2 / count  # each alloc_cpu/free_cpu pair is two mem events
+        targets = [
+            subprocess.Popen(
+                [str(binary), str(libc10_path()), str(pairs), str(opts["seconds"] + 60)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+            )  # fmt: skip
+            for _ in range(count)
+        ]
         agent = None
         try:
-            assert target.stdout.readline().strip() == b"ready"
-            agent = _attach(
-                target.pid, "--profile", "mem", "--db", f"{tmp}/r.duckdb", "--overhead-budget", "0"
-            )
-            _wait_for(agent, b"attached in")
+            for target in targets:
+                assert target.stdout.readline().strip() == b"ready"
+            if daemon:
+                agent = _run(binary, tmp)
+                for target in targets:
+                    _wait_for(agent, f"attach pid {target.pid} ".encode())
+            else:
+                agent = _attach(
+                    targets[0].pid, "--profile", "mem", "--db", f"{tmp}/r.duckdb", "--overhead-budget", "0"
+                )
+                _wait_for(agent, b"attached in")
             idle = []
             for _ in range(int(opts["idle_s"])):
                 time.sleep(1.0)  # pacing the samples, not synchronising
                 idle.append(rss_bytes(agent.pid))
             idle_parts = rss_parts(agent.pid)
-            target.stdin.write(b"go\n")
-            target.stdin.flush()
+            for target in targets:
+                target.stdin.write(b"go\n")
+                target.stdin.flush()
             loaded, cpu0, began = [], cpu_seconds(agent.pid), time.monotonic()
             loaded_parts = []
             for _ in range(int(opts["seconds"])):
@@ -245,13 +262,15 @@ def resident(opts: dict) -> dict:
                 loaded.append(rss_bytes(agent.pid))
                 loaded_parts.append(rss_parts(agent.pid))
             cpu_pct = 100 * (cpu_seconds(agent.pid) - cpu0) / (time.monotonic() - began)
-            agent.send_signal(signal.SIGINT)
+            agent.send_signal(signal.SIGTERM if daemon else signal.SIGINT)  # run drains on SIGTERM
             _, err = agent.communicate(timeout=300)
             if agent.returncode != 0:
-                raise SystemExit(f"error: attach exited {agent.returncode}: {err.decode()[-2000:]}")
+                raise SystemExit(f"error: {'run' if daemon else 'attach'} exited {agent.returncode}: "
+                                 f"{err.decode()[-2000:]}")  # fmt: skip
         finally:
-            target.kill()
-            target.wait(timeout=30)
+            for target in targets:
+                target.kill()
+                target.wait(timeout=30)
             if agent is not None and agent.poll() is None:
                 agent.kill()
                 agent.wait(timeout=30)
@@ -262,6 +281,17 @@ def resident(opts: dict) -> dict:
             "RSS idle: anon MB": idle_parts["RssAnon"] * mb, "RSS idle: file MB": idle_parts["RssFile"] * mb,
             "RSS at rate: anon MB": loaded_parts[peak]["RssAnon"] * mb,
             "RSS at rate: file MB": loaded_parts[peak]["RssFile"] * mb, "agent CPU %": cpu_pct}  # fmt: skip
+
+
+def _run(binary: Path, tmp: str) -> subprocess.Popen:
+    """`llmobs-agent run` selecting the processes of `binary` (bench/soak.py's daemon command), its store
+    and run dir in `tmp`, no other config (LLMOBS_CONFIG empty)."""
+    argv = [sys.executable, "-m", "llmobs.cli", "run", "--db", f"{tmp}/r.duckdb", "--profile", "mem",
+            "--command", re.escape(str(binary)), "--interval", "0.5", "--run-dir", f"{tmp}/run",
+            "--overhead-budget", "0"]  # fmt: skip
+    env = {**os.environ, "LLMOBS_CONFIG": ""}
+    env.pop("NOTIFY_SOCKET", None)
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
 
 FIGURES = {"ingest": ingest, "otlp": otlp, "attach": attach_latency, "tokens": tokens, "rss": resident}
