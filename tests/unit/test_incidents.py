@@ -201,6 +201,44 @@ def test_rows_flagged_while_commits_come_faster_than_the_gap_share_the_next_comm
     store.close()
 
 
+def test_incidents_are_written_at_once_then_at_most_once_a_gap(tmp_path, monkeypatch):
+    """The lane's clock held still: a lone spike's incident is written with its rows; the next two
+    spikes' (100 and 200 ms later) wait, and go together in one write once the clock is a whole
+    INCIDENT_GAP_NS past the first write (the lane's periodic wake writes them)."""
+    start = 10**15
+    now = [start]
+    monkeypatch.setattr(live_lane, "clock", SimpleNamespace(monotonic_ns=lambda: now[0]))
+    store = DuckDBStore(tmp_path / "s.duckdb")
+    live = LiveAnomalies(store, DetectorConfig(detector="both"), incidents=IncidentBuilder(gap=1))
+    commits, writes = [], []
+    live.on_committed = lambda rows: commits.append(len(rows["kind"]))
+    write = live._write_incidents
+
+    def recorded(new, updated):
+        writes.append((now[0], sorted(r["first_step"] for r in new + updated)))
+        write(new, updated)
+
+    live._write_incidents = recorded
+    losses = np.random.default_rng(2).normal(2.0, 0.2, 70)
+    losses[[30, 45, 57]] = (6.0, 6.5, 7.0)
+    for first, end in ((0, 40), (40, 52), (52, 70)):
+        steps = _steps(losses[first:end], 300 + first)
+        steps["step"] = steps["step"] + first
+        steps["position"] = steps["position"] + first
+        assert live.add(steps) == 2
+        _until(lambda first=first: len(commits) == 1 + (first > 0) + (first > 40), "the rows' commit")
+        if first == 0:
+            _until(lambda: writes, "the first incident's write")
+        now[0] += 100_000_000
+    assert writes == [(start, [30])]  # the clock is 300 ms past it: the other two wait
+    now[0] = start + live_lane.INCIDENT_GAP_NS
+    _until(lambda: len(writes) == 2, "the held incidents' write")
+    assert live.close()
+    assert writes == [(start, [30]), (start + live_lane.INCIDENT_GAP_NS, [45, 57])]
+    assert store.connection.execute("SELECT count(*) FROM incidents").fetchall() == [(3,)]
+    store.close()
+
+
 def test_a_version_10_store_gets_incidents_and_keeps_its_anomaly_rows(tmp_path):
     path = tmp_path / "old.duckdb"
     conn = duckdb.connect(str(path))

@@ -47,6 +47,11 @@ LATE_NS = 200_000_000  # the spike-to-row target (docs/diagnostics.md): later ro
 # detectors scored past their gap); with none open it sleeps until a row comes.
 CLOSE_CHECK_S = 0.25
 INCIDENT_HOLD_NS = 500_000_000  # the longest the incidents' write waits for a moment without rows
+# ... and the incidents are written at most this often (a lone spike's at once): at a 20k steps/s server
+# they were written after most commits of rows, ~6 a second at ~9 ms (an INSERT and an UPDATE ... FROM in
+# a transaction), ~2.7 us of agent CPU per token step. A held write goes at the lane's next wake (it
+# wakes every CLOSE_CHECK_S while incidents are unwritten), so an incident row is at most ~0.75 s later.
+INCIDENT_GAP_NS = 500_000_000
 # An open incident is written once it has been open this long (then at most this often while it grows),
 # a closed one at once: most incidents close within GAP_PASSES passes and are written once, where a
 # write per growth was two statements per commit (bench.step_cost: the slow target's anomaly lane
@@ -108,6 +113,7 @@ class LiveAnomalies:
         self._conn = self.store.cursor()
         self._changed_since: int | None = None  # when incidents first changed since the last write
         self._rows_committed_ns = (0, 0)  # when the two last commits of rows began (COMMIT_GAP_NS)
+        self._incidents_written_ns = -INCIDENT_GAP_NS  # when incidents were last written (INCIDENT_GAP_NS)
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUE_ITEMS)
         self._thread = threading.Thread(target=self._run, name="llmobs-anomalies", daemon=True)
         self._thread.start()
@@ -228,6 +234,8 @@ class LiveAnomalies:
             self._changed_since = now
         if not (final or self._queue.empty() or now - self._changed_since > INCIDENT_HOLD_NS):
             return
+        if not final and now - self._incidents_written_ns < INCIDENT_GAP_NS:
+            return
         new, updated = self.incidents.take_changed(now, every)
         try:
             self.store.with_headroom(functools.partial(self._write_incidents, new, updated))
@@ -235,7 +243,7 @@ class LiveAnomalies:
             self.incidents.restore(new, updated)
             self._failed(exc)
             return
-        self._changed_since = None
+        self._changed_since, self._incidents_written_ns = None, now
         counts = self.store.counters.rows_by_table
         counts["incidents"] = counts.get("incidents", 0) + len(new)
 
