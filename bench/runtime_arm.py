@@ -289,7 +289,7 @@ def _run(binary: Path, tmp: str) -> subprocess.Popen:
     argv = [sys.executable, "-m", "llmobs.cli", "run", "--db", f"{tmp}/r.duckdb", "--profile", "mem",
             "--command", re.escape(str(binary)), "--interval", "0.5", "--run-dir", f"{tmp}/run",
             "--overhead-budget", "0"]  # fmt: skip
-    env = {**os.environ, "LLMOBS_CONFIG": ""}
+    env = dict(os.environ, LLMOBS_CONFIG="")
     env.pop("NOTIFY_SOCKET", None)
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
 
