@@ -15,7 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 from llmobs.bpf.records import DEFAULT_THIN, THINNED_PROBES
-from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, TargetPool, leftovers
+from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, leftovers
 
 AGENT = [sys.executable, "-m", "llmobs.cli", "attach"]
 
@@ -73,14 +73,6 @@ def _read(out: Path):
     aggregates = pq.read_table(out.with_suffix(".aggregates.parquet")).to_pylist()
     summary = json.loads(out.with_suffix(".summary.json").read_text())
     return events, {(row["probe"], row["step_seq"]): row for row in aggregates}, summary
-
-
-@pytest.fixture(scope="module")
-def targets():
-    """This module's plain targets, each started while the test before it runs (test_probes_target)."""
-    pool = TargetPool()
-    yield pool
-    pool.close()
 
 
 def test_attach_counts_tags_and_detaches_on_sigint(tmp_path, targets):

@@ -17,7 +17,7 @@ from llmobs.bpf.profiles import PROBE_IDS, probes_of
 from llmobs.bpf.program import ProbeProgram
 from llmobs.bpf.records import DEFAULT_THIN, FLAG_TRACKED, THINNED_PROBES, trace_kept
 from llmobs.bpf.session import AttachSession, Options
-from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, Target, TargetPool, leftovers
+from test_probes_target import GEMM_FLOPS, LINEAR_OUTPUT_BYTES, Target, leftovers
 
 EXACT = ("alloc_cpu", "free_cpu", "sgemm", "linear", "ioctl")
 
@@ -47,14 +47,6 @@ def _trace(i: int) -> str:
 def _by_name(final) -> dict[tuple[str, int], list[int]]:
     """(probe name, step_seq) -> [count, sum_value, sum_duration_ns] from the exact aggregates."""
     return {(PROBE_IDS_INV[probe], step): value for (_, probe, step), value in final["totals"].items()}
-
-
-@pytest.fixture(scope="module")
-def targets():
-    """This module's plain targets, each started while the test before it runs (test_probes_target)."""
-    pool = TargetPool()
-    yield pool
-    pool.close()
 
 
 def test_exact_counts_and_tags_per_step(program, targets):

@@ -330,63 +330,60 @@ def test_the_statement_gives_the_rules_shares_exactly_for_any_totals_and_weights
     import random
 
     import duckdb
-
     from llmobs.pipeline import apportion
     from llmobs.store import schema
 
     rng = random.Random(26)
-    passes = [[rng.choice([0, 1, 1, 2, 7, 512, 5_000]) for _ in range(rng.randint(1, 19))] for _ in range(300)]
+    passes = [
+        [rng.choice([0, 1, 1, 2, 7, 512, 5_000]) for _ in range(rng.randint(1, 19))] for _ in range(300)
+    ]
     passes += [[2**31 - 1, 2**31 - 1, 3], [4] * 9]
-    steps = {k: [] for k in ("pid", "step_seq", "trace_id", "step", "batch_row", "position", "t_start_ns",
-                             "t_end_ns", "latency_ns", "tokens_in_pass")}  # fmt: skip
-    rollups = {k: [] for k in ("pid", "step_seq", "tokens", "t_start_ns", "t_end_ns", "launches", "allocations",
-                               "alloc_bytes", "frees", "memcpy_bytes", "off_cpu_ns", "page_faults",
-                               "compute_calls", "gpu_ns", "tagged_events", "windowed_events", "counts_exact")}  # fmt: skip
+    steps, rollups, rows_of = [], [], {}
     for seq, tokens in enumerate(passes, start=1):
-        rows = rng.sample(range(64), len(tokens))  # batch rows out of order: the rule orders them
-        for row, tok in zip(rows, tokens):
-            for key, value in (("pid", 1), ("step_seq", seq), ("trace_id", f"{seq:032x}"), ("step", 0),
-                               ("batch_row", row), ("position", row), ("t_start_ns", 1000 * seq),
-                               ("t_end_ns", 1000 * seq + 1), ("latency_ns", 1), ("tokens_in_pass", tok)):  # fmt: skip
-                steps[key].append(value)
-        big = [rng.randrange(2**62) for _ in range(8)]
-        for key, value in (("pid", 1), ("step_seq", seq), ("tokens", len(tokens)), ("t_start_ns", 1000 * seq),
-                           ("t_end_ns", 1000 * seq + rng.randrange(10**9)), ("launches", big[0]),
-                           ("allocations", rng.randrange(40)), ("alloc_bytes", big[1]), ("frees", 0),
-                           ("memcpy_bytes", 0), ("off_cpu_ns", big[2]), ("page_faults", 0),
-                           ("compute_calls", len(tokens) - 1), ("gpu_ns", big[3] if seq % 2 else None),
-                           ("tagged_events", 0), ("windowed_events", 0), ("counts_exact", True)):  # fmt: skip
-            rollups[key].append(value)
+        batch_rows = rng.sample(range(64), len(tokens))  # out of order: the rule orders them
+        rows_of[seq] = sorted(zip(batch_rows, tokens, strict=True))
+        steps += [
+            {"pid": 1, "step_seq": seq, "trace_id": f"{seq:032x}", "step": 0, "batch_row": row,
+             "position": row, "t_start_ns": 1000 * seq, "t_end_ns": 1000 * seq + 1, "latency_ns": 1,
+             "tokens_in_pass": tok}
+            for row, tok in zip(batch_rows, tokens, strict=True)
+        ]  # fmt: skip
+        big = [rng.randrange(2**62) for _ in range(4)]
+        rollups.append({
+            "pid": 1, "step_seq": seq, "tokens": len(tokens), "t_start_ns": 1000 * seq,
+            "t_end_ns": 1000 * seq + rng.randrange(10**9), "launches": big[0],
+            "allocations": rng.randrange(40), "alloc_bytes": big[1], "frees": 0, "memcpy_bytes": 0,
+            "off_cpu_ns": big[2], "page_faults": 0,
+            "compute_calls": len(tokens) - 1, "gpu_ns": big[3] if seq % 2 else None, "tagged_events": 0,
+            "windowed_events": 0, "counts_exact": True,
+        })  # fmt: skip
+    int32 = pa.int32()
+    step_types = {"pid": int32, "batch_row": int32, "step": int32, "position": int32, "tokens_in_pass": int32}
     conn = duckdb.connect(str(tmp_path / "rule.duckdb"))
     schema.migrate(conn)
-    step_types = {"pid": pa.int32(), "batch_row": pa.int32(), "step": pa.int32(), "position": pa.int32(),
-                  "tokens_in_pass": pa.int32()}  # fmt: skip
-    conn.register("s", pa.table({k: pa.array(v, step_types.get(k)) for k, v in steps.items()}))
-    conn.register("r", pa.table(rollups))
+    conn.register("s", pa.table({k: pa.array([r[k] for r in steps], step_types.get(k)) for k in steps[0]}))
+    conn.register("r", pa.Table.from_pylist(rollups))
     conn.execute("INSERT INTO token_steps BY NAME SELECT * FROM s")
     conn.execute("INSERT INTO step_rollups BY NAME SELECT * FROM r")
     apportion.share_passes(conn, {"since": 0, "pid": None})
+    shared = ", ".join(SHARED_TOTALS)
     got = conn.execute(
-        f"SELECT step_seq, batch_row, weight, {', '.join(SHARED_TOTALS)} FROM pass_shares ORDER BY step_seq, batch_row"
+        f"SELECT step_seq, batch_row, weight, {shared} FROM pass_shares ORDER BY step_seq, batch_row"
     ).fetchall()
     totals = conn.execute(
-        f"SELECT step_seq, {', '.join(SHARED_TOTALS.values())} FROM step_rollups r ORDER BY step_seq"
-    ).fetchall()
-    conn.close()
+        f"SELECT step_seq, {', '.join(SHARED_TOTALS.values())} FROM step_rollups r ORDER BY 1"
+    )
     expected = []
-    for (seq, *pass_totals), tokens in zip(totals, passes):
-        start = sum(len(p) for p in passes[: seq - 1])
-        rows = sorted(
-            ({"batch_row": b, "tokens": t} for b, t in zip(steps["batch_row"][start : start + len(tokens)], tokens)),
-            key=lambda r: r["batch_row"],
-        )
+    for seq, *pass_totals in totals.fetchall():
+        rows = [{"batch_row": row, "tokens": tok} for row, tok in rows_of[seq]]
         known = [r["tokens"] for r in rows if r["tokens"] > 0]
         fill = max(int(Fraction(sum(known), len(known)) + Fraction(1, 2)), 1) if known else 1
         for r in rows:
             r["weight"] = r["tokens"] if r["tokens"] > 0 else fill
-        shares = [
-            [None] * len(rows) if total is None else _largest_remainder(total, rows) for total in pass_totals
+        shares = [[None] * len(rows) if t is None else _largest_remainder(t, rows) for t in pass_totals]
+        expected += [
+            (seq, r["batch_row"], r["weight"], *column) for r, *column in zip(rows, *shares, strict=True)
         ]
-        expected += [(seq, r["batch_row"], r["weight"], *column) for r, *column in zip(rows, *shares)]
+    conn.close()
     assert max(g[2] for g in got) == 2**31 - 1  # the pass of weight 2^32 + 3 took the HUGEINT path
     assert got == expected
