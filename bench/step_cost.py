@@ -7,9 +7,10 @@ target publishes token steps; after a warm-up, a window of --seconds is measured
   - token steps: the `tokens` count of the agent's own `top` snapshot file (its LLMOBS_RUN_DIR is a
     temporary directory here) at the same two moments, so the steps are those the agent took in;
   - by stage (trees that have llmobs.stagecpu): the snapshot's agent.stage_cpu, diffed the same way.
-Figures: agent CPU us per token step (and by stage), % of a core, steps/s taken in, and the drop
-counters at the window's end by group (`drop_figures`: map lapped, map rejected, kernel, store queue full,
-store failed, other sinks).
+Figures: agent CPU us per token step (and by stage), % of a core, steps/s taken in, the agent's RSS in the
+window (sampled every RSS_PERIOD_S: max and median), the statements the store ran again with its memory cap
+raised (the whole attach, from its summary at detach), and the drop counters at the window's end by group
+(`drop_figures`: map lapped, map rejected, kernel, store queue full, store failed, other sinks).
 
 Loads: the synthetic publisher (bench/synthetic_publisher.py: the real map writer, --batch rows per
 forward pass) at each --rates (default 1000, 5000, 20000 steps/s), the tiny model generating
@@ -30,8 +31,10 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import select
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +45,7 @@ from pathlib import Path
 from llmobs import environment
 
 from bench.harness import Arm, BenchError, Report, add_json_option
-from bench.procstat import cpu_seconds
+from bench.procstat import cpu_seconds, rss_bytes
 from bench.ready_child import ReadyChild
 from bench.runtime import byte_compiled, ensure_baseline
 from bench.synthetic_publisher import SyntheticPublisher
@@ -50,7 +53,9 @@ from bench.synthetic_publisher import SyntheticPublisher
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_COMMIT = "6bfae97"
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
-BETTER = {"us/step": "lower", "% core": "lower", "steps/s": "higher"}
+BETTER = {"us/step": "lower", "% core": "lower", "steps/s": "higher", "MB RSS max": "lower",
+          "MB RSS median": "lower"}  # fmt: skip
+RSS_PERIOD_S = 0.1
 
 
 # The agent's drop counters (Pipeline.drops, in its `top` snapshot) in the groups a reader acts on: the
@@ -157,6 +162,34 @@ class Workload(ReadyChild):
         return {}
 
 
+class RssSampler:
+    """The agent's RSS every RSS_PERIOD_S while the window runs (its peaks come and go within a second:
+    a correlate run's DuckDB memory)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.samples = pid, [rss_bytes(pid)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(RSS_PERIOD_S):
+            with contextlib.suppress(OSError):
+                self.samples.append(rss_bytes(self.pid))
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _headroom_retries(err: str) -> int:
+    found = re.search(r"store: ([\d,]+) statement\(s\) ran out of the DuckDB memory cap", err)
+    return int(found.group(1).replace(",", "")) if found else 0
+
+
 def measure(tree: Path, load: str, opts: dict) -> dict:
     """One round: the target, attach on it, warm-up, the window; the figures of the window."""
     with tempfile.TemporaryDirectory(prefix="bench-step-cost-") as tmp:
@@ -173,8 +206,9 @@ def measure(tree: Path, load: str, opts: dict) -> dict:
                 first = read_snapshot(tmp, target.pid, time.monotonic_ns() + int(opts["warmup"] * 1e9),
                                       timeout=opts["warmup"] + 30)  # fmt: skip
                 cpu0, wall0 = cpu_seconds(agent.proc.pid), time.monotonic()
-                last = read_snapshot(tmp, target.pid, time.monotonic_ns() + int(opts["seconds"] * 1e9),
-                                     timeout=opts["seconds"] + 30)  # fmt: skip
+                with RssSampler(agent.proc.pid) as rss:
+                    last = read_snapshot(tmp, target.pid, time.monotonic_ns() + int(opts["seconds"] * 1e9),
+                                         timeout=opts["seconds"] + 30)  # fmt: skip
                 cpu1, wall1 = cpu_seconds(agent.proc.pid), time.monotonic()
                 err = agent.stop()
             finally:
@@ -186,6 +220,10 @@ def measure(tree: Path, load: str, opts: dict) -> dict:
         "steps/s": steps / wall,
         "% core": 100 * cpu / wall,
         "us/step": cpu * 1e6 / steps if steps else 0,
+        "MB RSS max": max(rss.samples) / 2**20,
+        "MB RSS median": statistics.median(rss.samples) / 2**20,
+        # statements run again with the store's cap raised, the whole attach (its summary line at detach)
+        "store headroom retries": _headroom_retries(err),
     }
     before = (first.get("stats", {}).get("agent") or {}).get("stage_cpu")
     after = (last.get("stats", {}).get("agent") or {}).get("stage_cpu")

@@ -288,7 +288,7 @@ def test_a_window_of_one_row_passes_takes_the_whole_pass_path_to_the_general_rul
     with DuckDBStore(tmp_path / "w.duckdb") as store:
         assert store.export({"token_steps": steps, "probe_aggregates": agg}).ok
         correlate(store.connection)
-        conn, params = store.connection, {"since": 0, "pid": None}
+        conn, params = store.connection, {"since": 0, "until": None, "pid": None}
         assert conn.execute(apportion._MIXED_PASSES, params).fetchall() == [(False,)]
         stored = conn.execute("SELECT * EXCLUDE (t_start_ns) FROM pass_shares ORDER BY step_seq").fetchall()
         general = conn.execute(
@@ -365,7 +365,7 @@ def test_the_statement_gives_the_rules_shares_exactly_for_any_totals_and_weights
     conn.register("r", pa.Table.from_pylist(rollups))
     conn.execute("INSERT INTO token_steps BY NAME SELECT * FROM s")
     conn.execute("INSERT INTO step_rollups BY NAME SELECT * FROM r")
-    apportion.share_passes(conn, {"since": 0, "pid": None})
+    apportion.share_passes(conn, {"since": 0, "until": None, "pid": None})
     shared = ", ".join(SHARED_TOTALS)
     got = conn.execute(
         f"SELECT step_seq, batch_row, weight, {shared} FROM pass_shares ORDER BY step_seq, batch_row"

@@ -193,3 +193,81 @@ def test_a_repeated_prompt_is_two_requests_though_its_trace_id_repeats(store):
         "SELECT trace_id, first_step_seq, tokens FROM requests ORDER BY first_step_seq"
     ).to_pylist()
     assert [(r["trace_id"], r["first_step_seq"], r["tokens"]) for r in rows] == [(same, 1, 4), (same, 5, 4)]
+
+
+def _served_store(path) -> DuckDBStore:
+    """Two processes' passes (batches of 4 rows of known tokens, and single rows), tagged and untagged
+    events, exact totals for one pid, and prefill chunks: in passes with tokens and in passes of their own."""
+    a = synthetic.token_steps(pid=100, requests=24, tokens_per_request=30, batch_rows=4, seed=11)
+    rng = np.random.default_rng(12)
+    a = a.append_column("tokens_in_pass", pa.array(rng.integers(1, 6, a.num_rows), pa.int32()))
+    b = synthetic.token_steps(pid=200, requests=3, tokens_per_request=40, seed=13, start_ns=1_000_000_400_000)
+    passes = synthetic.forward_passes(a).to_pylist()
+    chunk_rows = []
+    for i, p in enumerate(passes):  # a chunk-only pass in the gap after each pass, a chunk in every 9th
+        base = {"pid": 100, "kind": "chunk", "request_seq": 500 + i, "trace_id": p["trace_id"], "tenant": "t"}
+        if i % 9 == 0:
+            chunk_rows.append({**base, "step_seq": p["step_seq"], "t_start_ns": p["t_start_ns"],
+                               "t_end_ns": p["t_end_ns"], "prefill_tokens": 7 + i})  # fmt: skip
+        chunk_rows.append({**base, "step_seq": 10_000 + i, "t_start_ns": p["t_end_ns"] + 100,
+                           "t_end_ns": p["t_end_ns"] + 900, "prefill_tokens": 3})  # fmt: skip
+    only = [r for r in chunk_rows if r["step_seq"] >= 10_000]  # an untagged event in each chunk-only pass
+    n = len(only)
+    in_chunks = {
+        "pid": pa.array([100] * n, pa.int32()), "tid": pa.array([100] * n, pa.int32()),
+        "cpu": pa.array([0] * n, pa.int16()), "ts_ns": [r["t_end_ns"] - 50 for r in only],
+        "probe": ["alloc_cpu"] * n, "kind": ["mem"] * n, "step_seq": [0] * n, "trace_id": [""] * n,
+        "value": [5] * n, "duration_ns": [0] * n, "sample_ratio": pa.array([1] * n, pa.int32()),
+    }  # fmt: skip
+    store = DuckDBStore(path)
+    batch = {
+        "token_steps": pa.concat_tables([a, b], promote_options="default"),
+        "events": pa.concat_tables(
+            [
+                synthetic.events_for_steps(a, untagged=UNTAGGED, seed=14),
+                synthetic.events_for_steps(b, untagged=UNTAGGED, seed=15),
+                pa.table(in_chunks),
+            ],
+            promote_options="default",
+        ),
+        "probe_aggregates": synthetic.aggregates_for_steps(b, (_spec("alloc_cpu"),), scale=3),
+        "request_events": pa.Table.from_pylist(chunk_rows),
+    }
+    result = store.export(batch)
+    assert result.ok, result.error
+    return store
+
+
+def _correlated(store) -> dict[str, list]:
+    return {
+        "step_rollups": store.query("SELECT * FROM step_rollups ORDER BY pid, step_seq").to_pylist(),
+        "pass_shares": store.query("SELECT * FROM pass_shares ORDER BY ALL").to_pylist(),
+        "requests": store.query("SELECT * FROM requests ORDER BY ALL").to_pylist(),
+    }
+
+
+def test_a_window_correlated_in_slices_gives_the_same_rows_as_in_one(tmp_path, monkeypatch):
+    """A window of more than SLICE_STEPS token steps is correlated in slices cut at pass starts, each its
+    own transaction (a transaction's rows stay in memory until it commits: ~400,000 pass_shares rows of a
+    20k steps/s server ran out of the agent's DuckDB cap). Slices of ~40 steps (10 to 21 of them) must give
+    every rollup, share and request row of the one-transaction run, whole and incremental; passes cut in
+    two, or events of a slice's passes read short, change rows."""
+    whole, sliced = _served_store(tmp_path / "whole.duckdb"), _served_store(tmp_path / "sliced.duckdb")
+    try:
+        middle = whole.query("SELECT quantile_disc(t_start_ns, 0.5) AS t FROM token_steps").to_pylist()[0][
+            "t"
+        ]
+        one = [correlate(whole.connection), correlate(whole.connection, since_ns=middle, pid=100)]
+        expected = _correlated(whole)
+        monkeypatch.setattr("llmobs.pipeline.correlate.SLICE_STEPS", 40)
+        cut = [correlate(sliced.connection), correlate(sliced.connection, since_ns=middle, pid=100)]
+        assert [s.slices for s in one] == [1, 1] and min(s.slices for s in cut) >= 10
+        assert _correlated(sliced) == expected
+        assert len(expected["pass_shares"]) == whole.count("token_steps") + 180 + 20  # every row, chunks too
+        for a, b in zip(one, cut, strict=True):  # the same passes, events and orphans reported
+            assert (a.passes, a.tagged_events, a.windowed_events, a.orphan_events) == (
+                b.passes, b.tagged_events, b.windowed_events, b.orphan_events)  # fmt: skip
+        assert one[0].tagged_events > 0 and one[0].windowed_events > 0
+    finally:
+        whole.close()
+        sliced.close()

@@ -12,8 +12,9 @@ from llmobs.stagecpu import STAGES
 from llmobs.store import synthetic
 from llmobs.store.sink import DuckDBStore
 
-# ~47 MB of text in one aggregate state: more than a 16MB cap holds, far less than the headroom
-BIG = "SELECT length(string_agg(i::VARCHAR, ',')) FROM range(6000000) t(i)"
+# ~15 MB of text in one aggregate state, its buffer doubling as it grows: more than a 16MB cap holds, less
+# than the headroom
+BIG = "SELECT length(string_agg(i::VARCHAR, ',')) FROM range(2000000) t(i)"
 
 
 def _limit(conn) -> str:
@@ -28,7 +29,7 @@ def test_out_of_memory_is_run_again_with_headroom_and_the_cap_restored(tmp_path)
         with pytest.raises(duckdb.OutOfMemoryException):  # the premise: the cap alone is not enough
             conn.execute(BIG).fetchall()
         before = STAGES.snapshot()["counts"].get("store_headroom_retries", 0)
-        assert store.with_headroom(lambda: conn.execute(BIG).fetchall()) == [(46_888_889,)]
+        assert store.with_headroom(lambda: conn.execute(BIG).fetchall()) == [(14_888_889,)]
         assert store.headroom_retries == 1
         assert STAGES.snapshot()["counts"]["store_headroom_retries"] == before + 1
         assert _limit(conn) == capped  # back to the cap for everything after
@@ -72,7 +73,7 @@ def test_a_retry_while_the_writer_uses_the_connection_fails_neither(tmp_path):
         while not store._lock.locked() and holder.is_alive():  # the query holds the lock while it runs
             time.sleep(0.001)
         assert holder.is_alive(), outcome
-        assert store.with_headroom(lambda: conn.execute(BIG).fetchall()) == [(46_888_889,)]
+        assert store.with_headroom(lambda: conn.execute(BIG).fetchall()) == [(14_888_889,)]
         holder.join()
         assert outcome["long"] == 1
         assert _limit(conn) == _limit(store.connection.cursor())

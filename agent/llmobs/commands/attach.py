@@ -385,6 +385,12 @@ def _print_degrades(counts: dict, stream) -> None:
             + (f"; the cap was put back later {later:,} time(s) (memory still in use)" if later else ""),
             file=stream,
         )
+    if counts.get("store_reopened_invalidated"):
+        print(
+            f"store: DuckDB invalidated the database {counts['store_reopened_invalidated']:,} time(s) (a"
+            " checkpoint ran out of its memory cap); reopened, the failed statement run again",
+            file=stream,
+        )
 
 
 def _say_swept(removed: int) -> None:

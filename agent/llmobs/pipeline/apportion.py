@@ -39,7 +39,20 @@ SHARED_TOTALS: dict[str, str] = {
     "gpu_ns": "r.gpu_ns",
 }
 
-_WINDOW = "t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)"
+
+def window(table: str = "") -> str:
+    """The rows of a correlate window, as a predicate on `table`'s columns (a name or alias; none:
+    unqualified): passes starting in [$since, $until) ($until NULL: from $since on), of $pid (NULL: every
+    pid). Every row of a pass carries the pass's t_start_ns (one publish per pass): a bound never splits a
+    pass."""
+    t = f"{table}." if table else ""
+    return (
+        f"{t}t_start_ns >= $since AND ($until IS NULL OR {t}t_start_ns < $until)"
+        f" AND ($pid IS NULL OR {t}pid = $pid)"
+    )
+
+
+WINDOW = window()
 # A row's place in the largest-remainder order as one BIGINT: its remainder, then its row order (earlier
 # first) in the low ORD_BITS. Bounds: fewer than 2^24 rows and 2^39 tokens in one pass.
 ORD_BITS = 24
@@ -84,17 +97,17 @@ def _sql() -> str:
     )
     return f"""
 WITH passes AS (
-    SELECT r.pid, r.step_seq, r.t_start_ns, {totals} FROM step_rollups r WHERE {_WINDOW}
+    SELECT r.pid, r.step_seq, r.t_start_ns, {totals} FROM step_rollups r WHERE {WINDOW}
 ),
 pass_rows AS (  -- a pass's rows: its token steps, and its prefill chunks that produced no token
     SELECT pid, step_seq, 0 AS kind_order, 'step' AS row_kind, batch_row, step, position,
         coalesce(request_seq, 0) AS request_seq, trace_id, tenant, session,
         coalesce(tokens_in_pass, 0) AS tokens
-    FROM token_steps WHERE step_seq <> 0 AND {_WINDOW}
+    FROM token_steps WHERE step_seq <> 0 AND {WINDOW}
     UNION ALL
     SELECT pid, step_seq, 1, 'chunk', NULL, NULL, position, request_seq, trace_id, tenant, session,
         coalesce(prefill_tokens, 0)
-    FROM request_events WHERE kind = 'chunk' AND step_seq <> 0 AND {_WINDOW}
+    FROM request_events WHERE kind = 'chunk' AND step_seq <> 0 AND {WINDOW}
 ),
 known AS (  -- an unknown row (0 tokens) weighs the mean known row of its pass, at least 1
     SELECT pid, step_seq, greatest(coalesce(round(avg(tokens) FILTER (tokens > 0)), 1), 1)::BIGINT AS fill,
@@ -126,9 +139,9 @@ APPORTION_SQL = _sql()
 # ~48 ms a correlate run on this project's VM however few rows (this one ~6 ms, the look ~3.5 ms).
 # tests/unit/test_apportion.py checks that both give the same rows.
 _MIXED_PASSES = f"""
-SELECT EXISTS (SELECT 1 FROM token_steps WHERE step_seq <> 0 AND {_WINDOW}
+SELECT EXISTS (SELECT 1 FROM token_steps WHERE step_seq <> 0 AND {WINDOW}
                GROUP BY pid, step_seq HAVING count(*) > 1)
-    OR EXISTS (SELECT 1 FROM request_events WHERE kind = 'chunk' AND step_seq <> 0 AND {_WINDOW})
+    OR EXISTS (SELECT 1 FROM request_events WHERE kind = 'chunk' AND step_seq <> 0 AND {WINDOW})
 """
 WHOLE_PASS_SQL = f"""
 SELECT t.pid, t.step_seq, r.t_start_ns, 'step', t.batch_row, t.step, t.position, coalesce(t.request_seq, 0),
@@ -136,8 +149,7 @@ SELECT t.pid, t.step_seq, r.t_start_ns, 'step', t.batch_row, t.step, t.position,
     greatest(coalesce(t.tokens_in_pass, 0), 1)::BIGINT AS weight,  -- an unknown (0) row alone weighs 1
     {", ".join(f"({expr})::BIGINT AS {col}" for col, expr in SHARED_TOTALS.items())}
 FROM token_steps t JOIN step_rollups r USING (pid, step_seq)
-WHERE t.step_seq <> 0 AND t.t_start_ns >= $since AND ($pid IS NULL OR t.pid = $pid)
-    AND r.t_start_ns >= $since AND ($pid IS NULL OR r.pid = $pid)  -- _WINDOW, of each side
+WHERE t.step_seq <> 0 AND {window("t")} AND {window("r")}
 """
 _COLUMNS = (
     "pid, step_seq, t_start_ns, row_kind, batch_row, step, position, request_seq, trace_id, tenant, session,"
@@ -146,10 +158,10 @@ _COLUMNS = (
 
 
 def share_passes(conn: duckdb.DuckDBPyConnection, params: dict, any_passes: bool = True) -> None:
-    """Recompute pass_shares for the passes correlate just rolled up (step_rollups rows starting at or
-    after params['since'], of params['pid'] or all): call inside correlate's transaction, after the
-    rollups, so readers see shares and rollups of the same passes together."""
-    conn.execute(f"DELETE FROM pass_shares WHERE {_WINDOW}", params)
+    """Recompute pass_shares for the passes correlate just rolled up (step_rollups rows starting in
+    [params['since'], params['until']), of params['pid'] or all): call inside correlate's transaction,
+    after the rollups, so readers see shares and rollups of the same passes together."""
+    conn.execute(f"DELETE FROM pass_shares WHERE {WINDOW}", params)
     if any_passes:
         mixed = conn.execute(_MIXED_PASSES, params).fetchall()[0][0]
         conn.execute(

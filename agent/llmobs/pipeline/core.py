@@ -13,7 +13,6 @@ went where.
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 import threading
@@ -468,7 +467,7 @@ class Pipeline:
                 # run re-rolls the last LATE_NS, so what lands late is counted then.
                 began = run_began = STAGES.now()
                 try:
-                    self.store.with_headroom(functools.partial(correlate, conn, since_ns=since, pid=self.pid))
+                    correlate(conn, since_ns=since, pid=self.pid, run=self.store.with_headroom)
                     self.correlate_runs += 1
                     with self._since_lock:
                         self._unrolled_since, self._last_rolled_ns = None, previous
@@ -571,8 +570,12 @@ class Pipeline:
             conn = self.store.cursor()
             # re-roll only the tail the incremental runs may have missed; report the whole session
             since = self._final_since(session_since)
-            summary.final_correlate = self.store.with_headroom(
-                lambda: correlate(conn, since_ns=since, pid=self.pid, report_since_ns=session_since)
+            summary.final_correlate = correlate(
+                conn,
+                since_ns=since,
+                pid=self.pid,
+                report_since_ns=session_since,
+                run=self.store.with_headroom,
             )
         except Exception as exc:
             self.correlate_errors += 1

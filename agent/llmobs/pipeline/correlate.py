@@ -19,26 +19,33 @@ oldest step whose events may still arrive.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import duckdb
 
-from llmobs.pipeline.apportion import share_passes
+from llmobs.pipeline.apportion import WINDOW, share_passes
 from llmobs.store.views import REQUEST_KEY
+
+T = TypeVar("T")
 
 # How much earlier than its pass's t_start_ns an event of that pass may be stamped: the tag is bumped
 # just before t_start_ns is read, so the skew is tiny; 1 s is a generous bound that still lets an
 # incremental run skip the old events.
 EVENT_SLACK_NS = 1_000_000_000
 
-# Every eBPF event from `$since - slack` on, one schema: the three event tables.
+# Every eBPF event from `$since - slack` on, up to `$events_until` (the last end of the window's passes;
+# NULL: no bound), one schema: the three event tables.
+_EVENTS_RANGE = f"ts_ns >= $since - {EVENT_SLACK_NS} AND ($events_until IS NULL OR ts_ns <= $events_until)"
 _EVENTS = f"""
     SELECT pid, step_seq, ts_ns, probe, value, duration_ns, sample_ratio FROM mem_events
-        WHERE ts_ns >= $since - {EVENT_SLACK_NS}
+        WHERE {_EVENTS_RANGE}
     UNION ALL SELECT pid, step_seq, ts_ns, probe, value, duration_ns, sample_ratio FROM host_events
-        WHERE ts_ns >= $since - {EVENT_SLACK_NS}
+        WHERE {_EVENTS_RANGE}
     UNION ALL SELECT pid, coalesce(external_id, step_seq), ts_ns, probe, value, duration_ns, sample_ratio
-        FROM gpu_ops WHERE source = 'ebpf' AND ts_ns >= $since - {EVENT_SLACK_NS}
+        FROM gpu_ops WHERE source = 'ebpf' AND {_EVENTS_RANGE}
 """
 
 _ROLLUP_SQL = f"""
@@ -47,10 +54,10 @@ WITH passes AS (
            max(t_end_ns) AS t_end_ns, max(latency_ns) AS decode_latency_ns
     FROM (
         SELECT pid, step_seq, t_start_ns, t_end_ns, latency_ns, true AS is_token FROM token_steps
-        WHERE step_seq <> 0 AND t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)
+        WHERE step_seq <> 0 AND {WINDOW}
         UNION ALL  -- a pass of prefill chunks only (a served long prompt) has no token step: still a pass
         SELECT pid, step_seq, t_start_ns, t_end_ns, NULL, false FROM request_events
-        WHERE kind = 'chunk' AND step_seq <> 0 AND t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)
+        WHERE kind = 'chunk' AND step_seq <> 0 AND {WINDOW}
     )
     GROUP BY pid, step_seq
 ),
@@ -128,8 +135,7 @@ LEFT JOIN exact_passes x USING (pid, step_seq)
 _FIRST_STEP_SEQ = (
     "CASE WHEN coalesce(request_seq, 0) <> 0 THEN step_seq ELSE step_seq - coalesce(step, 0) END"
 )
-_WINDOW_REQUESTS = f"""SELECT DISTINCT pid, trace_id, {REQUEST_KEY} FROM token_steps
-    WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)"""
+_WINDOW_REQUESTS = f"SELECT DISTINCT pid, trace_id, {REQUEST_KEY} FROM token_steps WHERE {WINDOW}"
 # Where the steps of the window's requests begin, so the refresh below reads token_steps from there and
 # not from the store's start (the whole table each run: 0.02 s of CPU with 20,000 steps stored, 0.65 s with
 # 18 M, at a 2 s window of a 20k steps/s server). A request rolled up before starts where its row says: its
@@ -153,6 +159,22 @@ GROUP BY pid, trace_id, {REQUEST_KEY}
 """
 
 
+# The last end of a slice's passes (token steps, and prefill chunks that made no token): its events end there.
+_PASSES_END_SQL = f"""
+SELECT greatest((SELECT max(t_end_ns) FROM token_steps WHERE {WINDOW}),
+                (SELECT max(t_end_ns) FROM request_events WHERE kind = 'chunk' AND {WINDOW}))
+"""
+
+# A window of more token steps than this is correlated in slices of about this many, each its own
+# transaction, each run again alone if it runs out of the store's memory cap. Why: a 15 s window of a
+# 20k steps/s server plus the re-rolled LATE_NS is ~400,000 pass_shares rows, and its one transaction ran
+# out of the agent's 32 MB DuckDB cap in every run and was run whole again at a 256 MB headroom, which
+# DuckDB then kept resident (RSS 287-424 MB). A slice's statements are bounded by its rows, so the
+# headroom is too (store/sink.py HEADROOM_MEMORY_LIMIT). Slices of 16k, 32k and 64k steps ran out of the
+# 32 MB cap about as often (it is shared with the writer's commits): 64k has the fewest statements.
+SLICE_STEPS = 65_536
+
+
 @dataclass(frozen=True)
 class CorrelateStats:
     passes: int  # forward passes (re)rolled up
@@ -160,6 +182,7 @@ class CorrelateStats:
     windowed_events: int  # untagged events placed by time window
     orphan_events: int  # tagged events whose step has no token step (yet) in the store
     requests: int  # request rows refreshed
+    slices: int = 1  # transactions the window was correlated in (SLICE_STEPS)
 
 
 def correlate(
@@ -167,63 +190,101 @@ def correlate(
     since_ns: int = 0,
     pid: int | None = None,
     report_since_ns: int | None = None,
+    run: Callable[[Callable[[], T]], T] | None = None,
 ) -> CorrelateStats:
     """Recompute step_rollups and requests for the forward passes starting at or after `since_ns`
-    (of one pid, or all), in one transaction: readers never see a half-updated window.
+    (of one pid, or all). A window of up to SLICE_STEPS token steps is one transaction; a larger one is
+    cut at pass starts into slices of about that many, each a transaction: readers never see a pass
+    half-updated (its rollup without its shares), though they may see a large window's earlier slices
+    updated before its later ones.
 
     The returned passes and tagged/windowed events cover the rollups from `report_since_ns` on
     (default: `since_ns`), read back from step_rollups (a small table), and so do the requests (those
-    ending from then on; default: the rows refreshed), so a caller can re-roll only the last few
-    seconds and still report a whole session; orphans cover `since_ns` on.
+    ending from then on; default: the rows refreshed, a request that spans slices once per slice), so a
+    caller can re-roll only the last few seconds and still report a whole session; orphans cover
+    `since_ns` on.
+
+    `run`, if given, runs each slice (the store's DuckDBStore.with_headroom: a slice that runs out of the
+    memory cap is run again alone, not the slices already committed).
     """
-    params = {"since": since_ns, "pid": pid}
+    bounds = _slice_bounds(conn, since_ns, pid)
+    orphans = requests = 0
+    for since, until in zip(bounds, [*bounds[1:], None], strict=True):
+        one = functools.partial(_correlate_slice, conn, {"since": since, "until": until, "pid": pid})
+        slice_orphans, slice_requests = run(one) if run is not None else one()
+        orphans += slice_orphans
+        requests += slice_requests
     report = {"since": since_ns if report_since_ns is None else report_since_ns, "pid": pid}
+    passes, tagged, windowed = conn.execute(
+        "SELECT count(*), coalesce(sum(tagged_events), 0), coalesce(sum(windowed_events), 0)"
+        " FROM step_rollups WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)",
+        report,
+    ).fetchall()[0]
+    if report_since_ns is not None and report_since_ns != since_ns:  # the report's window, by end
+        requests = conn.execute(
+            "SELECT count(*) FROM requests WHERE t_end_ns >= $since AND ($pid IS NULL OR pid = $pid)", report
+        ).fetchall()[0][0]
+    return CorrelateStats(int(passes), int(tagged), int(windowed), int(orphans), int(requests), len(bounds))
+
+
+def _slice_bounds(conn: duckdb.DuckDBPyConnection, since_ns: int, pid: int | None) -> list[int]:
+    """Where the window's slices start: [since_ns] alone for up to SLICE_STEPS token steps, else since_ns
+    and the t_start_ns of every ~SLICE_STEPS-th step after it (a pass start: a pass is never cut)."""
+    window = {"since": since_ns, "until": None, "pid": pid}
+    steps = conn.execute(f"SELECT count(*) FROM token_steps WHERE {WINDOW}", window).fetchall()[0][0]
+    if steps <= SLICE_STEPS:
+        return [since_ns]
+    slices = -(-steps // SLICE_STEPS)
+    cuts = conn.execute(
+        f"SELECT quantile_disc(t_start_ns, $fractions) FROM token_steps WHERE {WINDOW}",
+        {**window, "fractions": [i / slices for i in range(1, slices)]},
+    ).fetchall()[0][0]
+    return [since_ns, *sorted({c for c in cuts if c > since_ns})]
+
+
+def _correlate_slice(conn: duckdb.DuckDBPyConnection, window: dict) -> tuple[int, int]:
+    """Roll up, share and refresh the requests of the passes starting in [since, until), in one
+    transaction; returns (orphan events, request rows refreshed)."""
     conn.execute("BEGIN TRANSACTION")
     try:
         # Why look first: with no token step in the window (an untracked process, an idle model) the
         # rollup query still scans every event of the window (its ASOF and semi joins do not prune on
         # an empty side) - 11-16 s over 48 M events, 114 s over 90 M - to produce nothing.
         steps, passes_now = conn.execute(
-            "SELECT count(*), count(*) FILTER (step_seq <> 0) FROM token_steps"
-            " WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)",
-            params,
+            f"SELECT count(*), count(*) FILTER (step_seq <> 0) FROM token_steps WHERE {WINDOW}", window
         ).fetchall()[0]
-        conn.execute(
-            "DELETE FROM step_rollups WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)", params
-        )
+        conn.execute(f"DELETE FROM step_rollups WHERE {WINDOW}", window)
         if not passes_now:  # a window of prefill chunks only is still passes to roll up and share
             passes_now = conn.execute(
-                "SELECT count(*) FROM request_events WHERE kind = 'chunk' AND step_seq <> 0"
-                " AND t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)",
-                params,
+                f"SELECT count(*) FROM request_events WHERE kind = 'chunk' AND step_seq <> 0 AND {WINDOW}",
+                window,
             ).fetchall()[0][0]
+        # A slice's passes read events up to the last of their ends; the last slice, to the store's end.
+        events = {**window, "events_until": None}
+        if passes_now and window["until"] is not None:
+            events["events_until"] = conn.execute(_PASSES_END_SQL, window).fetchall()[0][0]
         if passes_now:
-            conn.execute(f"INSERT OR REPLACE INTO step_rollups {_ROLLUP_SQL}", params)
-        share_passes(conn, params, any_passes=bool(passes_now))  # pass_shares of the same passes
+            conn.execute(f"INSERT OR REPLACE INTO step_rollups {_ROLLUP_SQL}", events)
+        share_passes(conn, window, any_passes=bool(passes_now))  # pass_shares of the same passes
         requests = 0
         if steps:
-            steps_from = conn.execute(_REQUESTS_FROM_SQL, params).fetchall()[0][0]
-            requests = conn.execute(_REQUESTS_SQL, {**params, "steps_from": steps_from}).fetchall()[0][0]
-        passes, tagged, windowed = conn.execute(
-            "SELECT count(*), coalesce(sum(tagged_events), 0), coalesce(sum(windowed_events), 0)"
-            " FROM step_rollups WHERE t_start_ns >= $since AND ($pid IS NULL OR pid = $pid)",
-            report,
-        ).fetchall()[0]
-        if report_since_ns is not None and report_since_ns != since_ns:  # the report's window, by end
-            requests = conn.execute(
-                "SELECT count(*) FROM requests WHERE t_end_ns >= $since AND ($pid IS NULL OR pid = $pid)",
-                report,
-            ).fetchall()[0][0]
+            steps_from = conn.execute(_REQUESTS_FROM_SQL, window).fetchall()[0][0]
+            requests = conn.execute(_REQUESTS_SQL, {**window, "steps_from": steps_from}).fetchall()[0][0]
         # Cheap when the events are untagged: every row group's step_seq is 0 and its zone map prunes it.
+        # Counted by event time, each slice the events of [since, until).
         orphans = conn.execute(
             f"""SELECT count(*) FROM ({_EVENTS}) e
                 WHERE e.step_seq <> 0 AND e.ts_ns >= $since AND ($pid IS NULL OR e.pid = $pid)
                 AND NOT EXISTS (SELECT 1 FROM token_steps t
                                 WHERE t.pid = e.pid AND t.step_seq = e.step_seq)""",
-            params,
+            {
+                "since": window["since"],
+                "pid": window["pid"],
+                "events_until": None if window["until"] is None else window["until"] - 1,
+            },
         ).fetchall()[0][0]
         conn.execute("COMMIT")
     except Exception:
         conn.execute("ROLLBACK")
         raise
-    return CorrelateStats(int(passes), int(tagged), int(windowed), int(orphans), int(requests))
+    return int(orphans), int(requests)
