@@ -272,8 +272,9 @@ def test_unknown_rows_weigh_the_mean_known_row_and_remainders_go_largest_first(t
 
 def test_a_window_of_one_row_passes_takes_the_whole_pass_path_to_the_general_rules_rows(tmp_path):
     """No pass with more than one row (one request decoding alone): share_passes writes them with the
-    whole-pass join, and they are the rows the general statement gives, NULL gpu_ns and unknown (0)
-    tokens included; one mixed pass in the window sends the whole window through the general one."""
+    whole-pass join, and they are the rows the general rule (apportion.shares) gives, NULL gpu_ns and
+    unknown (0) tokens included; one mixed pass in the window sends the whole window through the general
+    one."""
     from llmobs.pipeline import apportion
 
     steps = pa.table({
@@ -291,9 +292,10 @@ def test_a_window_of_one_row_passes_takes_the_whole_pass_path_to_the_general_rul
         conn, params = store.connection, {"since": 0, "until": None, "pid": None}
         assert conn.execute(apportion._MIXED_PASSES, params).fetchall() == [(False,)]
         stored = conn.execute("SELECT * EXCLUDE (t_start_ns) FROM pass_shares ORDER BY step_seq").fetchall()
-        general = conn.execute(
-            f"SELECT * EXCLUDE (pass_start_ns) FROM ({apportion.APPORTION_SQL}) ORDER BY step_seq", params
-        ).fetchall()
+        conn.register(
+            "general", apportion.shares(conn.sql(apportion._ROWS_SQL, params=params).to_arrow_table())
+        )
+        general = conn.execute("SELECT * EXCLUDE (t_start_ns) FROM general ORDER BY step_seq").fetchall()
         whole = conn.execute(
             f"SELECT * EXCLUDE (t_start_ns) FROM ({apportion.WHOLE_PASS_SQL}) ORDER BY step_seq", params
         ).fetchall()

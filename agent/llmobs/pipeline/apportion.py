@@ -27,6 +27,8 @@ intervals of the process's threads tagged with the pass) is apportioned separate
 from __future__ import annotations
 
 import duckdb
+import numpy as np
+import pyarrow as pa
 
 # pass_shares column -> the pass's total, from its step_rollups row `r`
 SHARED_TOTALS: dict[str, str] = {
@@ -53,91 +55,49 @@ def window(table: str = "") -> str:
 
 
 WINDOW = window()
-# A row's place in the largest-remainder order as one BIGINT: its remainder, then its row order (earlier
-# first) in the low ORD_BITS. Bounds: fewer than 2^24 rows and 2^39 tokens in one pass.
-ORD_BITS = 24
-# Below this pass weight W, floor(T * w / W) and its remainder are exact in BIGINT as
-# (T // W) * w + ((T % W) * w) // W: (T // W) * w <= T, and (T % W) * w < W^2 < 2^62. Above it (no real
-# pass: 2^31 tokens) the product goes through 128-bit integers, ~3x the cost a row (and a HUGEINT pass
-# weight made every row take it: ~0.5 us a row of the INSERT at a 20k steps/s server).
+# Below this pass weight W, floor(T * w / W) and its remainder are exact in 64-bit integers as
+# (T // W) * w + ((T % W) * w) // W: (T // W) * w <= T, and (T % W) * w < W^2 < 2^62. A pass at or above it
+# (no real pass: 2^31 tokens) is computed in Python integers.
 BIGINT_WEIGHT = 1 << 31
+# Sorts after every batch_row, step and position: a chunk's (NULL) ones, as DuckDB orders NULLs last.
+_NULL_LAST = (1 << 62) - 1
 
-
-def _floor_and_remainder(c: str) -> tuple[str, str]:
-    """SQL for floor(total_c * weight / pass_weight) and its remainder, exact for totals >= 0."""
-    part = f"(total_{c} % pass_weight) * weight"
-    wide = f"total_{c}::HUGEINT * weight"
-    return (
-        f"CASE WHEN pass_weight < {BIGINT_WEIGHT} THEN (total_{c} // pass_weight) * weight"
-        f" + {part} // pass_weight ELSE ({wide} // pass_weight)::BIGINT END",
-        f"CASE WHEN pass_weight < {BIGINT_WEIGHT} THEN {part} % pass_weight"
-        f" ELSE ({wide} % pass_weight)::BIGINT END",
-    )
-
-
-def _sql() -> str:
-    totals = ", ".join(f"{expr} AS total_{col}" for col, expr in SHARED_TOTALS.items())
-    # floor and remainder of T * w / W, and the row's largest-remainder key
-    quota = ", ".join(
-        f"{floor} AS base_{c}, ({remainder} << {ORD_BITS}) + ((1 << {ORD_BITS}) - 1 - ord) AS key_{c}"
-        for c in SHARED_TOTALS
-        for floor, remainder in [_floor_and_remainder(c)]
-    )
-    # per pass: the units floor() left over (short), and the key of the short-th largest remainder; a
-    # group-by and a small list sort per pass, not one window sort of all rows per column (3x faster)
-    cuts = ", ".join(
-        f"(any_value(total_{c}) - sum(base_{c}))::BIGINT AS short_{c},"
-        f" list_sort(list(key_{c}), 'DESC')[short_{c}] AS cut_{c}"
-        for c in SHARED_TOTALS
-    )
-    shares = ", ".join(
-        f"(q.base_{c} + CASE WHEN c.short_{c} > 0 AND q.key_{c} >= c.cut_{c} THEN 1 ELSE 0 END)::BIGINT"
-        f" AS {c}"
-        for c in SHARED_TOTALS
-    )
-    return f"""
+# The rows of the window's passes, with what the rule needs: a token step or a chunk that produced no token,
+# its tokens, its place in the row order (NULLs sort last), and its pass's totals (NULL and 0 apart).
+_ROWS_SQL = f"""
 WITH passes AS (
-    SELECT r.pid, r.step_seq, r.t_start_ns, {totals} FROM step_rollups r WHERE {WINDOW}
+    SELECT r.pid, r.step_seq, r.t_start_ns, {", ".join(f"{e} AS total_{c}" for c, e in SHARED_TOTALS.items())}
+    FROM step_rollups r WHERE {WINDOW}
 ),
 pass_rows AS (  -- a pass's rows: its token steps, and its prefill chunks that produced no token
     SELECT pid, step_seq, 0 AS kind_order, 'step' AS row_kind, batch_row, step, position,
         coalesce(request_seq, 0) AS request_seq, trace_id, tenant, session,
-        coalesce(tokens_in_pass, 0) AS tokens
+        coalesce(tokens_in_pass, 0)::BIGINT AS tokens
     FROM token_steps WHERE step_seq <> 0 AND {WINDOW}
     UNION ALL
     SELECT pid, step_seq, 1, 'chunk', NULL, NULL, position, request_seq, trace_id, tenant, session,
-        coalesce(prefill_tokens, 0)
+        coalesce(prefill_tokens, 0)::BIGINT
     FROM request_events WHERE kind = 'chunk' AND step_seq <> 0 AND {WINDOW}
-),
-known AS (  -- an unknown row (0 tokens) weighs the mean known row of its pass, at least 1
-    SELECT pid, step_seq, greatest(coalesce(round(avg(tokens) FILTER (tokens > 0)), 1), 1)::BIGINT AS fill,
-        sum(CASE WHEN tokens > 0 THEN tokens ELSE 0 END)::BIGINT AS known_weight,  -- < 2^55: 2^24 rows
-        count(*) FILTER (tokens <= 0) AS unknown
-    FROM pass_rows GROUP BY pid, step_seq
-),
-weighted AS (
-    SELECT r.*, CASE WHEN r.tokens > 0 THEN r.tokens ELSE k.fill END::BIGINT AS weight,
-        (k.known_weight + k.unknown * k.fill)::BIGINT AS pass_weight,
-        row_number() OVER (PARTITION BY r.pid, r.step_seq
-                           ORDER BY r.kind_order, r.batch_row, r.position, r.step, r.request_seq) AS ord,
-        p.t_start_ns AS pass_start_ns, p.* EXCLUDE (pid, step_seq, t_start_ns)
-    FROM pass_rows r JOIN known k USING (pid, step_seq) JOIN passes p USING (pid, step_seq)
-),
-quota AS MATERIALIZED (SELECT *, {quota} FROM weighted),  -- read twice: computed once
-cut AS (SELECT pid, step_seq, {cuts} FROM quota GROUP BY pid, step_seq)
-SELECT q.pid, q.step_seq, q.pass_start_ns, q.row_kind, q.batch_row, q.step, q.position, q.request_seq,
-    q.trace_id, q.tenant, q.session, q.tokens, q.weight, {shares}
-FROM quota q JOIN cut c USING (pid, step_seq)
+)
+SELECT r.pid, r.step_seq, p.t_start_ns, r.row_kind, r.batch_row, r.step, r.position, r.request_seq,
+    r.trace_id, r.tenant, r.session, r.tokens, r.kind_order,
+    coalesce(r.batch_row, {_NULL_LAST})::BIGINT AS order_batch_row,
+    coalesce(r.position, {_NULL_LAST})::BIGINT AS order_position,
+    coalesce(r.step, {_NULL_LAST})::BIGINT AS order_step,
+    {
+    ", ".join(
+        f"coalesce(p.total_{c}, 0)::BIGINT AS total_{c}, p.total_{c} IS NULL AS null_{c}"
+        for c in SHARED_TOTALS
+    )
+}
+FROM pass_rows r JOIN passes p USING (pid, step_seq)
 """
-
-
-APPORTION_SQL = _sql()
 
 # Where no pass in the window has more than one row (one request decoding alone: generate() of one prompt,
 # a slowly stepping target), each row's weight is its pass's whole weight and the rule above gives it the
-# pass's totals unchanged: a join, not the general statement, whose planning and dozen operators cost
-# ~48 ms a correlate run on this project's VM however few rows (this one ~6 ms, the look ~3.5 ms).
-# tests/unit/test_apportion.py checks that both give the same rows.
+# pass's totals unchanged: a join, not the general rule's fetch, numpy and insert (its SQL form's planning
+# and dozen operators cost ~48 ms a correlate run on this project's VM however few rows; this one ~6 ms,
+# the look ~3.5 ms). tests/unit/test_apportion.py checks that both give the same rows.
 _MIXED_PASSES = f"""
 SELECT EXISTS (SELECT 1 FROM token_steps WHERE step_seq <> 0 AND {WINDOW}
                GROUP BY pid, step_seq HAVING count(*) > 1)
@@ -162,8 +122,78 @@ def share_passes(conn: duckdb.DuckDBPyConnection, params: dict, any_passes: bool
     [params['since'], params['until']), of params['pid'] or all): call inside correlate's transaction,
     after the rollups, so readers see shares and rollups of the same passes together."""
     conn.execute(f"DELETE FROM pass_shares WHERE {WINDOW}", params)
-    if any_passes:
-        mixed = conn.execute(_MIXED_PASSES, params).fetchall()[0][0]
-        conn.execute(
-            f"INSERT INTO pass_shares ({_COLUMNS}) {APPORTION_SQL if mixed else WHOLE_PASS_SQL}", params
-        )
+    if not any_passes:
+        return
+    if not conn.execute(_MIXED_PASSES, params).fetchall()[0][0]:
+        conn.execute(f"INSERT INTO pass_shares ({_COLUMNS}) {WHOLE_PASS_SQL}", params)
+        return
+    rows = conn.sql(_ROWS_SQL, params=params).to_arrow_table()
+    if rows.num_rows:
+        conn.register("_pass_shares", shares(rows))
+        try:
+            conn.execute(f"INSERT INTO pass_shares ({_COLUMNS}) SELECT * FROM _pass_shares")
+        finally:
+            conn.unregister("_pass_shares")
+
+
+def shares(rows: pa.Table) -> pa.Table:
+    """The rule applied to the rows of whole passes (_ROWS_SQL's columns, any order): pass_shares' columns.
+    In numpy, not SQL: the statement (a window for the row order, a list sort per pass and column) was
+    most of a correlate run at a 20k steps/s server (1.96 of 2.38 s of CPU for a 21 s window)."""
+    n = rows.num_rows
+    col = {name: rows.column(name).to_numpy() for name in ("pid", "step_seq", "tokens", "kind_order",
+           "order_batch_row", "order_position", "order_step", "request_seq")}  # fmt: skip
+    # rows in row order within their pass; pass p's rows are order[starts[p]:starts[p + 1]]
+    order = np.lexsort(tuple(col[k] for k in ("request_seq", "order_step", "order_position",
+                       "order_batch_row", "kind_order", "step_seq", "pid")))  # fmt: skip
+    pid, seq, tokens = col["pid"][order], col["step_seq"][order], col["tokens"][order]
+    first = np.ones(n, bool)
+    first[1:] = (pid[1:] != pid[:-1]) | (seq[1:] != seq[:-1])
+    starts = np.flatnonzero(first)
+    pass_of = np.cumsum(first) - 1
+    rank = np.arange(n) - starts[pass_of]  # 0 for the pass's first row
+    # an unknown row (0 tokens) weighs the mean known row of its pass, rounded half up, at least 1
+    known = tokens > 0
+    known_weight = np.add.reduceat(np.where(known, tokens, 0), starts)
+    known_rows = np.add.reduceat(known.astype(np.int64), starts)
+    unknown_rows = np.diff(np.append(starts, n)) - known_rows
+    mean = known_weight / np.maximum(known_rows, 1)
+    fill = np.where(known_rows > 0, np.maximum(np.floor(mean + 0.5), 1), 1).astype(np.int64)
+    weight = np.where(known, tokens, fill[pass_of])
+    pass_weight = (known_weight + unknown_rows * fill)[pass_of]
+    out = {}
+    for c in SHARED_TOTALS:
+        total = rows.column(f"total_{c}").to_numpy()[order]
+        share = _largest_remainder(total, weight, pass_weight, starts, pass_of, rank)
+        unsorted = np.empty(n, np.int64)
+        unsorted[order] = share
+        out[c] = pa.array(unsorted, mask=rows.column(f"null_{c}").to_numpy(zero_copy_only=False))
+    unsorted_weight = np.empty(n, np.int64)
+    unsorted_weight[order] = weight
+    kept = ("pid", "step_seq", "t_start_ns", "row_kind", "batch_row", "step", "position", "request_seq",
+            "trace_id", "tenant", "session", "tokens")  # fmt: skip
+    return pa.table({**{k: rows.column(k) for k in kept}, "weight": unsorted_weight, **out})
+
+
+def _largest_remainder(total, weight, pass_weight, starts, pass_of, rank) -> np.ndarray:
+    """floor(T * w / W) for each row, plus one unit to each of the T - sum(floors) rows of its pass with
+    the largest remainders (ties to the earlier row). Rows sorted by pass, then row order; `total` is the
+    row's pass's T, `rank` the row's place in its pass."""
+    base, remainder = np.empty_like(total), np.empty_like(total)
+    narrow = pass_weight < BIGINT_WEIGHT
+    t, w, big_w = total[narrow], weight[narrow], pass_weight[narrow]
+    part = (t % big_w) * w
+    base[narrow] = (t // big_w) * w + part // big_w
+    remainder[narrow] = part % big_w
+    if not narrow.all():  # Python integers: T * w may pass 2^63
+        wide = ~narrow
+        product = total[wide].astype(object) * weight[wide].astype(object)
+        big_w = pass_weight[wide].astype(object)
+        base[wide] = (product // big_w).astype(np.int64)
+        remainder[wide] = (product % big_w).astype(np.int64)
+    short = total[starts] - np.add.reduceat(base, starts)  # units floor() left over, per pass
+    # each row's place among its pass's rows by remainder, largest first, ties in row order
+    by_remainder = np.lexsort((rank, -remainder, pass_of))
+    place = np.empty_like(rank)
+    place[by_remainder] = np.arange(len(rank)) - starts[pass_of[by_remainder]]
+    return base + (place < short[pass_of])
