@@ -37,6 +37,9 @@ class _ProfiledConnection:
         self.event_rows_scanned += _scanned(profile.get("operator", []))
         return _Result(rows)
 
+    def __getattr__(self, name):  # sql (the shares' fetch: no event table), register, unregister
+        return getattr(self.conn, name)
+
 
 class _Result:
     def __init__(self, rows):
