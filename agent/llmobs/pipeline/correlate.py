@@ -159,6 +159,9 @@ GROUP BY pid, trace_id, {REQUEST_KEY}
 """
 
 
+# A window's token steps, and those of a forward pass (step_seq 0: before the first step, or untracked).
+_COUNT_SQL = f"SELECT count(*), count(*) FILTER (step_seq <> 0) FROM token_steps WHERE {WINDOW}"
+
 # The last end of a slice's passes (token steps, and prefill chunks that made no token): its events end there.
 _PASSES_END_SQL = f"""
 SELECT greatest((SELECT max(t_end_ns) FROM token_steps WHERE {WINDOW}),
@@ -207,10 +210,11 @@ def correlate(
     `run`, if given, runs each slice (the store's DuckDBStore.with_headroom: a slice that runs out of the
     memory cap is run again alone, not the slices already committed).
     """
-    bounds = _slice_bounds(conn, since_ns, pid)
+    bounds, counts = _slice_bounds(conn, since_ns, pid)
     orphans = requests = 0
     for since, until in zip(bounds, [*bounds[1:], None], strict=True):
-        one = functools.partial(_correlate_slice, conn, {"since": since, "until": until, "pid": pid})
+        window = {"since": since, "until": until, "pid": pid}
+        one = functools.partial(_correlate_slice, conn, window, counts if len(bounds) == 1 else None)
         slice_orphans, slice_requests = run(one) if run is not None else one()
         orphans += slice_orphans
         requests += slice_requests
@@ -227,32 +231,40 @@ def correlate(
     return CorrelateStats(int(passes), int(tagged), int(windowed), int(orphans), int(requests), len(bounds))
 
 
-def _slice_bounds(conn: duckdb.DuckDBPyConnection, since_ns: int, pid: int | None) -> list[int]:
+def _slice_bounds(
+    conn: duckdb.DuckDBPyConnection, since_ns: int, pid: int | None
+) -> tuple[list[int], tuple[int, int]]:
     """Where the window's slices start: [since_ns] alone for up to SLICE_STEPS token steps, else since_ns
-    and the t_start_ns of every ~SLICE_STEPS-th step after it (a pass start: a pass is never cut)."""
+    and the t_start_ns of every ~SLICE_STEPS-th step after it (a pass start: a pass is never cut); and the
+    window's token steps and those of a pass (step_seq <> 0), counted."""
     window = {"since": since_ns, "until": None, "pid": pid}
-    steps = conn.execute(f"SELECT count(*) FROM token_steps WHERE {WINDOW}", window).fetchall()[0][0]
+    counts = conn.execute(_COUNT_SQL, window).fetchall()[0]
+    steps = counts[0]
     if steps <= SLICE_STEPS:
-        return [since_ns]
+        return [since_ns], counts
     slices = -(-steps // SLICE_STEPS)
     cuts = conn.execute(
         f"SELECT quantile_disc(t_start_ns, $fractions) FROM token_steps WHERE {WINDOW}",
         {**window, "fractions": [i / slices for i in range(1, slices)]},
     ).fetchall()[0][0]
-    return [since_ns, *sorted({c for c in cuts if c > since_ns})]
+    return [since_ns, *sorted({c for c in cuts if c > since_ns})], counts
 
 
-def _correlate_slice(conn: duckdb.DuckDBPyConnection, window: dict) -> tuple[int, int]:
+def _correlate_slice(
+    conn: duckdb.DuckDBPyConnection, window: dict, counts: tuple[int, int] | None = None
+) -> tuple[int, int]:
     """Roll up, share and refresh the requests of the passes starting in [since, until), in one
-    transaction; returns (orphan events, request rows refreshed)."""
+    transaction; returns (orphan events, request rows refreshed). `counts`: the window's, counted just
+    before (a window of one slice: one query a run less, ~5 us a step at a 20 steps/s target), else counted
+    here. Counted before the transaction they may be off: too high (retention removed old rows meanwhile)
+    costs statements that find nothing; a 0 that became more leaves those steps, none of them rolled up
+    before, to the next run, whose window starts before them."""
     conn.execute("BEGIN TRANSACTION")
     try:
         # Why look first: with no token step in the window (an untracked process, an idle model) the
         # rollup query still scans every event of the window (its ASOF and semi joins do not prune on
         # an empty side) - 11-16 s over 48 M events, 114 s over 90 M - to produce nothing.
-        steps, passes_now = conn.execute(
-            f"SELECT count(*), count(*) FILTER (step_seq <> 0) FROM token_steps WHERE {WINDOW}", window
-        ).fetchall()[0]
+        steps, passes_now = counts if counts is not None else conn.execute(_COUNT_SQL, window).fetchall()[0]
         conn.execute(f"DELETE FROM step_rollups WHERE {WINDOW}", window)
         if not passes_now:  # a window of prefill chunks only is still passes to roll up and share
             passes_now = conn.execute(
