@@ -62,6 +62,10 @@ BIGINT_WEIGHT = 1 << 31
 # Sorts after every batch_row, step and position: a chunk's (NULL) ones, as DuckDB orders NULLs last.
 _NULL_LAST = (1 << 62) - 1
 
+# Each total as a BIGINT (NULL as 0) and whether it was NULL (a pass without CUPTI has no gpu_ns).
+_TOTALS_AND_NULLS = ", ".join(
+    f"coalesce(p.total_{c}, 0)::BIGINT AS total_{c}, p.total_{c} IS NULL AS null_{c}" for c in SHARED_TOTALS
+)
 # The rows of the window's passes, with what the rule needs: a token step or a chunk that produced no token,
 # its tokens, its place in the row order (NULLs sort last), and its pass's totals (NULL and 0 apart).
 _ROWS_SQL = f"""
@@ -84,12 +88,7 @@ SELECT r.pid, r.step_seq, p.t_start_ns, r.row_kind, r.batch_row, r.step, r.posit
     coalesce(r.batch_row, {_NULL_LAST})::BIGINT AS order_batch_row,
     coalesce(r.position, {_NULL_LAST})::BIGINT AS order_position,
     coalesce(r.step, {_NULL_LAST})::BIGINT AS order_step,
-    {
-    ", ".join(
-        f"coalesce(p.total_{c}, 0)::BIGINT AS total_{c}, p.total_{c} IS NULL AS null_{c}"
-        for c in SHARED_TOTALS
-    )
-}
+    {_TOTALS_AND_NULLS}
 FROM pass_rows r JOIN passes p USING (pid, step_seq)
 """
 
@@ -161,18 +160,16 @@ def shares(rows: pa.Table) -> pa.Table:
     fill = np.where(known_rows > 0, np.maximum(np.floor(mean + 0.5), 1), 1).astype(np.int64)
     weight = np.where(known, tokens, fill[pass_of])
     pass_weight = (known_weight + unknown_rows * fill)[pass_of]
+    unsorted = np.empty_like(order)  # the inverse of order: a sorted array, back in the rows' order
+    unsorted[order] = np.arange(n)
     out = {}
     for c in SHARED_TOTALS:
         total = rows.column(f"total_{c}").to_numpy()[order]
-        share = _largest_remainder(total, weight, pass_weight, starts, pass_of, rank)
-        unsorted = np.empty(n, np.int64)
-        unsorted[order] = share
-        out[c] = pa.array(unsorted, mask=rows.column(f"null_{c}").to_numpy(zero_copy_only=False))
-    unsorted_weight = np.empty(n, np.int64)
-    unsorted_weight[order] = weight
+        share = _largest_remainder(total, weight, pass_weight, starts, pass_of, rank)[unsorted]
+        out[c] = pa.array(share, mask=rows.column(f"null_{c}").to_numpy(zero_copy_only=False))
     kept = ("pid", "step_seq", "t_start_ns", "row_kind", "batch_row", "step", "position", "request_seq",
             "trace_id", "tenant", "session", "tokens")  # fmt: skip
-    return pa.table({**{k: rows.column(k) for k in kept}, "weight": unsorted_weight, **out})
+    return pa.table({**{k: rows.column(k) for k in kept}, "weight": weight[unsorted], **out})
 
 
 def _largest_remainder(total, weight, pass_weight, starts, pass_of, rank) -> np.ndarray:
