@@ -39,7 +39,10 @@ def read_totals(
     total = 0
     first = True
     while total < capacity:
-        want = min(chunk, capacity - total)
+        # Never less than the next bucket holds, even where that passes the cap: the kernel copies whole
+        # buckets (ENOSPC where one does not fit), and entries past the cap are dropped below. Before, a
+        # capped read whose room left was smaller than the next bucket failed (ENOSPC) instead.
+        want = chunk
         keys = np.empty(want, dtype=AGG_KEY_DTYPE)
         values = np.empty((want, ncpus), dtype=AGG_VAL_DTYPE)
         try:
@@ -47,10 +50,11 @@ def read_totals(
                 map_fd, None if first else batch, batch, keys.ctypes.data, values.ctypes.data, want
             )
         except OSError as exc:
-            if exc.errno != errno.ENOSPC or want >= capacity - total:
+            if exc.errno != errno.ENOSPC:
                 raise
             chunk *= 2  # the next bucket holds more entries than one chunk: ask again for more
             continue
+        count = min(count, capacity - total)
         if count:
             key_parts.append(keys[:count])
             value_parts.append(values[:count])
