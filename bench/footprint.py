@@ -6,7 +6,9 @@ interval; with --until, rounds are added two at a time until every interval is a
             --db X --overhead-budget 0`: idle (the target waiting) and at --rate events/s, plus its CPU
   rss-run   the same for the daemon with two such targets (`run --profile mem --command <target>
             --overhead-budget 0`), each making half of --rate: the issue's "run with two targets"
-  attach    seconds from `attach --pid P --db X` starting to its first event (tiny workload generating)
+  attach    seconds from `attach --pid P --db X` starting to its first event (tiny workload generating),
+            and the most RSS it held in its 3 s
+  attach-nostore  the same without --db (the status line and the summary only: no store, no pipeline)
   otlp      agent CPU ms per 1,000 spans exported over gRPC to a real rotel collector, and spans/s
             (the store read as a running agent opens it: one DuckDB thread, its memory cap)
   ingest    synthetic ring records decoded and stored in DuckDB: events/s and events per CPU-second
@@ -29,8 +31,8 @@ The per-hit probe cost (bench/probes.py --only cost), the governor's measured-vs
 (bench/soak.py --minutes 30 --rate 50000) are their own benchmarks: each is one configuration or needs
 its own interleaving; docs/reliability.md and the closing note of issue 14 give their runs.
 
-    .venv/bin/python -m bench.footprint [--only rss,rss-run,attach,otlp,ingest,slowdown] [--rounds 4]
-        [--until 0.02 --max-rounds 12] [--rate 10000] [--seconds 40] [--json PATH]
+    .venv/bin/python -m bench.footprint [--only rss,rss-run,attach,attach-nostore,otlp,ingest,slowdown]
+        [--rounds 4] [--until 0.02 --max-rounds 12] [--rate 10000] [--seconds 40] [--json PATH]
 
 Needs root (attach). --baseline defaults to /tmp/llmobs-main, made with `git worktree add` when missing.
 """
@@ -50,17 +52,17 @@ from bench.runtime import REPO, arm, byte_compiled, ensure_baseline, otlp_collec
 
 PREVIOUS_RELEASE = "6bfae97"  # the worktree made when none is there (the tree before issue 14)
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
-FIGURES = ("rss", "rss-run", "attach", "otlp", "ingest", "slowdown", "peers")
+FIGURES = ("rss", "rss-run", "attach", "attach-nostore", "otlp", "ingest", "slowdown", "peers")
 BETTER = {"RSS idle MB": "lower", "RSS at rate MB": "lower", "RSS idle: anon MB": "lower",
           "RSS idle: file MB": "lower", "RSS at rate: anon MB": "lower", "RSS at rate: file MB": "lower",
-          "agent CPU %": "lower", "first event s": "lower",
+          "agent CPU %": "lower", "first event s": "lower", "RSS max MB": "lower",
           "CPU ms/1k spans": "lower", "spans/s": "higher", "events/s": "higher", "events/CPU-s": "higher",
           "tokens/s": "higher", "workload CPU ms/token": "lower", "agent CPU ms/token": "lower"}  # fmt: skip
 SHOWN = {"rss": ["RSS idle MB", "RSS at rate MB", "RSS idle: anon MB", "RSS idle: file MB",
                  "RSS at rate: anon MB", "RSS at rate: file MB", "agent CPU %"],
          "rss-run": ["RSS idle MB", "RSS at rate MB", "RSS idle: anon MB", "RSS idle: file MB",
                      "RSS at rate: anon MB", "RSS at rate: file MB", "agent CPU %"],
-         "attach": ["first event s"],
+         "attach": ["first event s", "RSS max MB"], "attach-nostore": ["first event s", "RSS max MB"],
          "otlp": ["CPU ms/1k spans", "spans/s"], "ingest": ["events/s", "events/CPU-s"],
          "slowdown": ["tokens/s"],
          "peers": ["tokens/s", "workload CPU ms/token", "agent CPU ms/token"]}  # fmt: skip
@@ -146,8 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     add_json_option(parser)
     args = parser.parse_args(argv)
     only = selected_figures(parser, args.only, FIGURES)
-    if {"rss", "rss-run", "attach", "slowdown", "peers"} & set(only) and os.geteuid() != 0:
-        print("error: rss, rss-run, attach, slowdown and peers attach eBPF probes\n"
+    if {"rss", "rss-run", "attach", "attach-nostore", "slowdown", "peers"} & set(only) and os.geteuid() != 0:
+        print("error: rss, rss-run, attach, attach-nostore, slowdown and peers attach eBPF probes\n"
               "hint: run as root, or --only otlp,ingest", file=sys.stderr)  # fmt: skip
         return 4
     baseline = ensure_baseline(args.baseline or DEFAULT_BASELINE, PREVIOUS_RELEASE)
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     report.note(f"before: {baseline} ({tree_commit(baseline)})  after: {args.candidate}")
     opts = {"rss": {"rate": args.rate, "seconds": args.seconds, "idle_s": args.idle_s},
             "rss-run": {"rate": args.rate, "seconds": args.seconds, "idle_s": args.idle_s, "agent": "run"},
-            "attach": {"duration": 3.0}, "otlp": {"steps": args.steps, "store": "agent"},
+            "attach": {"duration": 3.0}, "attach-nostore": {"duration": 3.0, "db": False},
+            "otlp": {"steps": args.steps, "store": "agent"},
             "ingest": {"events": args.events, "drain_events": 20_000}}  # fmt: skip
     rounds = {"rounds": args.rounds, "until": args.until, "max_rounds": args.max_rounds}
     imported: dict[str, str] = {}
@@ -182,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             if figure == "peers":
                 peers(report, args, imported, rounds)
                 continue
-            arms = [arm(name, tree, "rss" if figure.startswith("rss") else figure, opts[figure], imported)
-                    for name, tree in trees.items()]  # fmt: skip
+            measured = figure.split("-")[0]  # rss-run and attach-nostore: rss and attach, other options
+            arms = [arm(name, tree, measured, opts[figure], imported) for name, tree in trees.items()]
             report.compare(figure, arms, baseline="before", better=BETTER, metrics=SHOWN[figure],
                            progress=clear_rotel_log, **rounds)  # fmt: skip
     for name, path in imported.items():

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import llmobs
 
-from bench.procstat import cpu_seconds
+from bench.procstat import RssSampler, cpu_seconds
 from bench.ready_child import ReadyChild, read_line
 
 FIRST_EVENT = re.compile(r"first event ([\d.]+) s after the agent started")
@@ -139,15 +139,18 @@ def _wait_for(proc: subprocess.Popen, needle: bytes, timeout: float = 300) -> by
 
 def attach_latency(opts: dict) -> dict:
     """A tiny-model workload generating without end; `attach --pid P --db X --duration D` (default
-    profiles) started on it: seconds from the attach process's start (interpreter start-up and imports
-    included) to its first event, from its own summary line."""
+    profiles; opts["db"] False: without --db) started on it: seconds from the attach process's start
+    (interpreter start-up and imports included) to its first event, from its own summary line, and the
+    most RSS the attach held over its run (sampled every 0.1 s)."""
     tree = Path(opts["tree"])
     workload = Workload(tree, "--model", "tiny", "--requests", "0", "--max-new-tokens", "8", "--threads", "1")
     try:
         workload.go()
         with tempfile.TemporaryDirectory(prefix="llmobs-rt-attach-") as tmp:
-            agent = _attach(workload.pid, "--db", f"{tmp}/a.duckdb", "--duration", str(opts["duration"]))
-            _, err = agent.communicate(timeout=300)
+            store = ("--db", f"{tmp}/a.duckdb") if opts.get("db", True) else ()
+            agent = _attach(workload.pid, *store, "--duration", str(opts["duration"]))
+            with RssSampler(agent.pid) as rss:
+                _, err = agent.communicate(timeout=300)
         if agent.returncode != 0:
             raise SystemExit(f"error: attach exited {agent.returncode}: {err.decode()[-2000:]}")
         match = FIRST_EVENT.search(err.decode())
@@ -155,7 +158,7 @@ def attach_latency(opts: dict) -> dict:
             raise SystemExit(f"error: attach saw no event: {err.decode()[-2000:]}")
     finally:
         workload.close()
-    return {"first event s": float(match.group(1))}
+    return {"first event s": float(match.group(1)), "RSS max MB": max(rss.samples) / 2**20}
 
 
 def tokens(opts: dict) -> dict:

@@ -8,9 +8,10 @@ target publishes token steps; after a warm-up, a window of --seconds is measured
     temporary directory here) at the same two moments, so the steps are those the agent took in;
   - by stage (trees that have llmobs.stagecpu): the snapshot's agent.stage_cpu, diffed the same way.
 Figures: agent CPU us per token step (and by stage), % of a core, steps/s taken in, the agent's RSS in the
-window (sampled every RSS_PERIOD_S: max and median), the statements the store ran again with its memory cap
-raised (the whole attach, from its summary at detach), and the drop counters at the window's end by group
-(`drop_figures`: map lapped, map rejected, kernel, store queue full, store failed, other sinks).
+window (bench/procstat.py RssSampler, every 0.1 s: max and median), the statements the store ran again
+with its memory cap raised (the whole attach, from its summary at detach), and the drop counters at the
+window's end by group (`drop_figures`: map lapped, map rejected, kernel, store queue full, store failed,
+other sinks).
 
 Loads: the synthetic publisher (bench/synthetic_publisher.py: the real map writer, --batch rows per
 forward pass) at each --rates (default 1000, 5000, 20000 steps/s), the tiny model generating
@@ -45,7 +46,7 @@ from pathlib import Path
 from llmobs import environment
 
 from bench.harness import Arm, BenchError, Report, add_json_option
-from bench.procstat import cpu_seconds, rss_bytes
+from bench.procstat import RssSampler, cpu_seconds
 from bench.ready_child import ReadyChild
 from bench.runtime import byte_compiled, ensure_baseline
 from bench.synthetic_publisher import SyntheticPublisher
@@ -55,7 +56,6 @@ BASELINE_COMMIT = "6bfae97"
 DEFAULT_BASELINE = Path("/tmp/llmobs-main")
 BETTER = {"us/step": "lower", "% core": "lower", "steps/s": "higher", "MB RSS max": "lower",
           "MB RSS median": "lower"}  # fmt: skip
-RSS_PERIOD_S = 0.1
 
 
 # The agent's drop counters (Pipeline.drops, in its `top` snapshot) in the groups a reader acts on: the
@@ -160,29 +160,6 @@ class Workload(ReadyChild):
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(timeout=60)
         return {}
-
-
-class RssSampler:
-    """The agent's RSS every RSS_PERIOD_S while the window runs (its peaks come and go within a second:
-    a correlate run's DuckDB memory)."""
-
-    def __init__(self, pid: int):
-        self.pid, self.samples = pid, [rss_bytes(pid)]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._stop.wait(RSS_PERIOD_S):
-            with contextlib.suppress(OSError):
-                self.samples.append(rss_bytes(self.pid))
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _headroom_retries(err: str) -> int:

@@ -5,6 +5,8 @@ CompositeSink: a failing sink is counted by name and never keeps a batch from th
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -308,3 +310,21 @@ def test_the_detach_summary_says_in_one_line_where_the_agent_degraded():
         "store: 2 statement(s) ran out of the DuckDB memory cap and were run again with more"
         " (store/sink.py HEADROOM_MEMORY_LIMIT); the cap was put back later 1 time(s) (memory still in use)"
     ]
+
+
+def test_an_agent_without_a_store_never_loads_duckdb_or_pyarrow() -> None:
+    """`attach` without --db: what it imports, the runtime and the stale-map sweep it runs on every
+    attach; the sweep's store path (which imports the pipeline: ~40 MB and ~0.15 s on the way to the
+    first event) is imported only where there is a store to ingest into."""
+    code = (
+        "import json, sys\n"
+        "from llmobs.bpf import output, report, session\n"
+        "from llmobs.runtime import Agent\n"
+        "agent = Agent(budget=0)\n"
+        "swept = agent.sweep_maps()\n"
+        "agent.close()\n"
+        "print(json.dumps(sorted({'duckdb', 'pyarrow', 'llmobs.pipeline'} & set(sys.modules))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"

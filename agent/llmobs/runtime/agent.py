@@ -248,13 +248,16 @@ class Agent:
         """Maps left in /dev/shm by processes that are gone. With a store and `accept_uid` (whose maps
         this agent would have observed: the daemon's selectors), their unread token steps are stored
         first (a process may exit before it was ever attached); then each map is removed. Never raises."""
-        from llmobs.pipeline.leftovers import ingest_stale_maps
         from llmobs.shm.reader import remove_stale_maps
 
         skip = set(self.targets)  # their own pipelines drain and remove their maps
         try:
             if self.store is None or accept_uid is None:
                 return Swept(removed=len(remove_stale_maps(skip_pids=skip)))
+            # imported here: it imports the pipeline (DuckDB, pyarrow: ~0.15 s and ~40 MB), which an
+            # agent without a store (attach with no --db) never loads otherwise
+            from llmobs.pipeline.leftovers import ingest_stale_maps
+
             left = ingest_stale_maps(self.store, skip_pids=skip, accept_uid=accept_uid)
         except OSError:  # no /dev/shm, or not ours to list: nothing to tidy
             return Swept()
