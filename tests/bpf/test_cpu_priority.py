@@ -111,10 +111,15 @@ def case_workloads():
 
 
 @pytest.mark.parametrize(("flags", "expected"), CASES)
-def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(case_workloads, flags, expected):
+def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(
+    case_workloads, flags, expected, tmp_path
+):
     workload = case_workloads[CASES.index((flags, expected))]
-    # the status line every 0.2 s (its default off a TTY is 10 s): its first says the loop has started
-    agent = Agent("--pid", str(workload.pid), "--status-interval", "0.2", *flags)
+    # the status line every 0.2 s (its default off a TTY is 10 s): its first says the loop has started.
+    # With a store, so that the agent runs threads of its own beside the loop (the store writer, the
+    # correlate thread, the anomaly lane); without one it runs the loop alone.
+    store = ("--db", str(tmp_path / "priority.duckdb"))
+    agent = Agent("--pid", str(workload.pid), "--status-interval", "0.2", *store, *flags)
     agent.wait_for("attached in")
     agent.wait_for(" events/s | ")  # the status line: the loop has started, the policy is set
     threads, with_guard = policies(agent.pid), policies(agent.pid, guard=True)
@@ -123,7 +128,7 @@ def test_the_agent_runs_under_sched_idle_once_attached_unless_told_normal(case_w
     agent.proc.send_signal(signal.SIGINT)
     code, text = agent.finish()
     assert code == 0, text
-    assert len(threads) > 1  # the store-less attach still runs threads beside the loop
+    assert len(threads) > 1  # the store's threads beside the loop
     assert set(threads.values()) == {expected}, threads
     # idle: exactly one more thread, the starvation guard, at the start priority; normal: no guard
     guards = set(with_guard) - set(threads)
