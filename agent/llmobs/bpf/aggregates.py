@@ -39,15 +39,14 @@ def read_totals(
     total = 0
     first = True
     while total < capacity:
-        # Never less than the next bucket holds, even where that passes the cap: the kernel copies whole
-        # buckets (ENOSPC where one does not fit), and entries past the cap are dropped below. Before, a
-        # capped read whose room left was smaller than the next bucket failed (ENOSPC) instead.
-        want = chunk
-        keys = np.empty(want, dtype=AGG_KEY_DTYPE)
-        values = np.empty((want, ncpus), dtype=AGG_VAL_DTYPE)
+        # A whole chunk even where the cap leaves less room: the kernel copies whole buckets (ENOSPC where
+        # one does not fit), and entries past the cap are dropped below. Before, a capped read whose room
+        # left was smaller than the next bucket failed (ENOSPC) instead.
+        keys = np.empty(chunk, dtype=AGG_KEY_DTYPE)
+        values = np.empty((chunk, ncpus), dtype=AGG_VAL_DTYPE)
         try:
             count, end = syscall.map_lookup_batch(
-                map_fd, None if first else batch, batch, keys.ctypes.data, values.ctypes.data, want
+                map_fd, None if first else batch, batch, keys.ctypes.data, values.ctypes.data, chunk
             )
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
